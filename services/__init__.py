@@ -1,0 +1,1 @@
+"""The kai-resource-isolator services and the CLI that composes them."""

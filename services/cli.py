@@ -1,0 +1,5 @@
+"""Command-line entry point `kai-isolator`: composes the services; placeholder."""
+
+
+def main() -> None:
+    print("kai-isolator")

@@ -1,0 +1,1 @@
+"""Common package: schemas, subjects, settings, bus runtime, logging."""
