@@ -1,0 +1,69 @@
+/* Hooks that report memory sizes, so frameworks and nvidia-smi see the granted
+ * memory instead of the whole card. Sizes are clamped, never wrapped, and NULL
+ * out-pointers are tolerated. */
+#include "vgpu.h"
+
+static uint64_t min_u64(uint64_t a, uint64_t b) { return a < b ? a : b; }
+static uint64_t room_left(uint64_t total, uint64_t used) { return total > used ? total - used : 0; }
+
+static int limited(int idx) { return idx >= 0 && vgpu_ledger_limit(idx) != VGPU_UNLIMITED; }
+
+VGPU_EXPORT CUresult cuMemGetInfo_v2(size_t *free_out, size_t *total_out) {
+    if (vgpu_cuda_load() != 0) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!vgpu_cuda.cuMemGetInfo_v2) return CUDA_ERROR_NOT_FOUND;
+    size_t free_bytes = 0, total_bytes = 0;
+    CUresult rc = vgpu_cuda.cuMemGetInfo_v2(&free_bytes, &total_bytes);
+    if (rc != CUDA_SUCCESS) return rc;
+    int idx;
+    if (vgpu_current_index(&idx) == CUDA_SUCCESS && limited(idx)) {
+        uint64_t total = min_u64(vgpu_ledger_limit(idx), total_bytes);
+        free_bytes = (size_t)min_u64(free_bytes, room_left(total, vgpu_ledger_used(idx)));
+        total_bytes = (size_t)total;
+    }
+    if (free_out) *free_out = free_bytes;
+    if (total_out) *total_out = total_bytes;
+    return CUDA_SUCCESS;
+}
+
+VGPU_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
+    if (vgpu_cuda_load() != 0) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!vgpu_cuda.cuDeviceTotalMem_v2) return CUDA_ERROR_NOT_FOUND;
+    CUresult rc = vgpu_cuda.cuDeviceTotalMem_v2(bytes, dev);
+    int idx = vgpu_config_index(dev);
+    if (rc == CUDA_SUCCESS && bytes && limited(idx)) *bytes = (size_t)min_u64(*bytes, vgpu_ledger_limit(idx));
+    return rc;
+}
+
+/* NVML reports per NVML index, which is the ledger's index. */
+static int nvml_index(nvmlDevice_t device) {
+    unsigned int index;
+    if (!vgpu_nvml.nvmlDeviceGetIndex || vgpu_nvml.nvmlDeviceGetIndex(device, &index) != NVML_SUCCESS ||
+        index >= VGPU_MAX_DEVICES)
+        return -1;
+    return (int)index;
+}
+
+VGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+    if (vgpu_nvml_load() != 0) return NVML_ERROR_LIBRARY_NOT_FOUND;
+    if (!vgpu_nvml.nvmlDeviceGetMemoryInfo) return NVML_ERROR_FUNCTION_NOT_FOUND;
+    nvmlReturn_t rc = vgpu_nvml.nvmlDeviceGetMemoryInfo(device, memory);
+    int idx = nvml_index(device);
+    if (rc != NVML_SUCCESS || !memory || !limited(idx)) return rc;
+    memory->total = vgpu_ledger_limit(idx);
+    memory->used = vgpu_ledger_used(idx);
+    memory->free = room_left(memory->total, memory->used);
+    return rc;
+}
+
+VGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
+    if (vgpu_nvml_load() != 0) return NVML_ERROR_LIBRARY_NOT_FOUND;
+    if (!vgpu_nvml.nvmlDeviceGetMemoryInfo_v2) return NVML_ERROR_FUNCTION_NOT_FOUND;
+    nvmlReturn_t rc = vgpu_nvml.nvmlDeviceGetMemoryInfo_v2(device, memory);
+    int idx = nvml_index(device);
+    if (rc != NVML_SUCCESS || !memory || !limited(idx)) return rc;
+    memory->total = vgpu_ledger_limit(idx);
+    memory->reserved = 0; /* driver reservations are outside the container's grant */
+    memory->used = vgpu_ledger_used(idx);
+    memory->free = room_left(memory->total, memory->used);
+    return rc;
+}

@@ -1,0 +1,117 @@
+/* Internal interface shared by the libvgpu.so translation units: logging,
+ * configuration, the real-driver tables, the usage ledger and allocation tracking. */
+#ifndef VGPU_H
+#define VGPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <cuda.h>
+#include "nvml_subset.h"
+
+#define VGPU_EXPORT __attribute__((visibility("default")))
+#define VGPU_MAX_DEVICES 16
+#define VGPU_UNLIMITED UINT64_MAX
+
+/* cuda.h only declares the per-thread-stream variants when compiled for them. */
+CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
+CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                      CUstream hStream);
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream);
+typedef CUresult (*vgpu_getproc_v1_fn)(const char *, void **, int, cuuint64_t);
+
+/* ---- log.c ---- */
+enum { VGPU_LOG_ERROR = 0, VGPU_LOG_WARN = 2, VGPU_LOG_INFO = 3, VGPU_LOG_DEBUG = 4 };
+void vgpu_log_init(void);
+void vgpu_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* ---- config.c ---- */
+/* Parses a size string; returns 0 and stores bytes, or -1 when malformed. */
+int vgpu_parse_size(const char *text, uint64_t *bytes);
+/* Reads the limit env once; returns the limit of accounting index idx. */
+void vgpu_config_init(void);
+uint64_t vgpu_config_limit(int idx);
+/* Maps a CUDA ordinal to the accounting (NVML) index, or -1 when out of range. */
+int vgpu_config_index(CUdevice ordinal);
+
+/* ---- ledger.c: per-device usage against the limit ---- */
+int vgpu_ledger_reserve(int idx, uint64_t bytes);
+void vgpu_ledger_release(int idx, uint64_t bytes);
+uint64_t vgpu_ledger_used(int idx);
+uint64_t vgpu_ledger_limit(int idx);
+
+/* ---- track.c: which live handles the library charged, and for how much ---- */
+enum vgpu_kind { VGPU_KIND_PTR = 1, VGPU_KIND_VMM, VGPU_KIND_ARRAY, VGPU_KIND_MIPMAP };
+int vgpu_track_add(enum vgpu_kind kind, uint64_t key, int idx, uint64_t bytes);
+/* Removes the entry; returns 1 and its charge when the key was tracked. */
+int vgpu_track_take(enum vgpu_kind kind, uint64_t key, int *idx, uint64_t *bytes);
+
+/* ---- driver.c: the real libcuda / libnvidia-ml, found by soname ---- */
+#define VGPU_CUDA_HOOKED(X)                                                              \
+    X(cuMemAlloc_v2, "cuMemAlloc", 3020, 0)                                              \
+    X(cuMemFree_v2, "cuMemFree", 3020, 0)                                                \
+    X(cuMemAllocPitch_v2, "cuMemAllocPitch", 3020, 0)                                    \
+    X(cuMemAllocManaged, "cuMemAllocManaged", 6000, 0)                                   \
+    X(cuMemAllocAsync, "cuMemAllocAsync", 11020, 0)                                      \
+    X(cuMemAllocAsync_ptsz, "cuMemAllocAsync", 11020, 1)                                 \
+    X(cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", 11020, 0)                      \
+    X(cuMemAllocFromPoolAsync_ptsz, "cuMemAllocFromPoolAsync", 11020, 1)                 \
+    X(cuMemFreeAsync, "cuMemFreeAsync", 11020, 0)                                        \
+    X(cuMemFreeAsync_ptsz, "cuMemFreeAsync", 11020, 1)                                   \
+    X(cuMemCreate, "cuMemCreate", 10020, 0)                                              \
+    X(cuMemRelease, "cuMemRelease", 10020, 0)                                            \
+    X(cuArrayCreate_v2, "cuArrayCreate", 3020, 0)                                        \
+    X(cuArray3DCreate_v2, "cuArray3DCreate", 3020, 0)                                    \
+    X(cuArrayDestroy, "cuArrayDestroy", 2000, 0)                                         \
+    X(cuMipmappedArrayCreate, "cuMipmappedArrayCreate", 5000, 0)                         \
+    X(cuMipmappedArrayDestroy, "cuMipmappedArrayDestroy", 5000, 0)                       \
+    X(cuMemGetInfo_v2, "cuMemGetInfo", 3020, 0)                                          \
+    X(cuDeviceTotalMem_v2, "cuDeviceTotalMem", 3020, 0)                                  \
+    X(cuGetProcAddress_v2, "cuGetProcAddress", 12000, 0)
+
+#define VGPU_NVML_HOOKED(X) X(nvmlDeviceGetMemoryInfo) X(nvmlDeviceGetMemoryInfo_v2)
+
+struct vgpu_cuda_real {
+#define VGPU_FIELD(name, base, ver, ptds) __typeof__(name) *name;
+    VGPU_CUDA_HOOKED(VGPU_FIELD)
+#undef VGPU_FIELD
+    vgpu_getproc_v1_fn getproc_v1; /* "cuGetProcAddress": cuda.h macro-renames that name */
+    __typeof__(cuCtxGetDevice) *cuCtxGetDevice;
+};
+
+struct vgpu_nvml_real {
+#define VGPU_FIELD(name) __typeof__(name) *name;
+    VGPU_NVML_HOOKED(VGPU_FIELD)
+#undef VGPU_FIELD
+    __typeof__(nvmlDeviceGetIndex) *nvmlDeviceGetIndex;
+};
+
+extern struct vgpu_cuda_real vgpu_cuda;
+extern struct vgpu_nvml_real vgpu_nvml;
+/* Load on first use; return 0 when the real library is usable. */
+int vgpu_cuda_load(void);
+int vgpu_nvml_load(void);
+/* Set while this thread loads a library, so dlsym calls made by the loader pass through. */
+int vgpu_loading(void);
+typedef void *(*vgpu_dlsym_fn)(void *, const char *);
+vgpu_dlsym_fn vgpu_real_dlsym_fn(void);
+void *vgpu_real_dlsym(void *handle, const char *name);
+void *vgpu_cuda_symbol(const char *name);
+void *vgpu_nvml_symbol(const char *name);
+
+/* ---- symbols.c: hook lookup used by dlsym and cuGetProcAddress ---- */
+struct vgpu_symbol {
+    const char *name;
+    void *hook;
+    const char *base;  /* name passed to cuGetProcAddress; NULL for NVML */
+    int version;       /* cudaVersion that selects this exact entry point */
+    int ptds;          /* 1 for the per-thread default stream variant */
+    int nvml;
+};
+const struct vgpu_symbol *vgpu_symbol_by_name(const char *name);
+void *vgpu_hook_for_procaddr(const char *symbol, void *resolved, int version, cuuint64_t flags);
+
+/* ---- hooks_mem.c ---- */
+/* Accounting index of the calling thread's current context, or a CUresult (< 0 => error). */
+CUresult vgpu_current_index(int *idx);
+
+#endif

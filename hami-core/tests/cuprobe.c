@@ -1,0 +1,385 @@
+/* Test driver program: runs a script of CUDA driver calls given on the command line and
+ * prints one line per observation, so pytest can check what the library and the fake
+ * driver really did. --path selects how functions are found: linked symbols, dlsym on
+ * the libcuda handle, or cuGetProcAddress_v2 (the CUDA 12/13 runtime's way). */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cuda.h>
+#include "fake_cuda.h"
+
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream);
+typedef CUresult (*legacy_alloc_fn)(unsigned int *dptr, unsigned int bytes);
+
+struct api {
+    __typeof__(cuInit) *init;
+    __typeof__(cuDevicePrimaryCtxRetain) *retain;
+    __typeof__(cuCtxSetCurrent) *set_current;
+    __typeof__(cuMemAlloc_v2) *alloc;
+    __typeof__(cuMemFree_v2) *free;
+    __typeof__(cuMemAllocManaged) *managed;
+    __typeof__(cuMemAllocPitch_v2) *pitch;
+    __typeof__(cuMemAllocAsync) *alloc_async;
+    __typeof__(cuMemAllocFromPoolAsync) *alloc_pool;
+    __typeof__(cuMemFreeAsync) *free_async;
+    __typeof__(cuMemCreate) *create;
+    __typeof__(cuMemRelease) *release;
+    __typeof__(cuArrayCreate_v2) *array;
+    __typeof__(cuArray3DCreate_v2) *array3d;
+    __typeof__(cuArrayDestroy) *array_destroy;
+    __typeof__(cuMipmappedArrayCreate) *mipmap;
+    __typeof__(cuMipmappedArrayDestroy) *mipmap_destroy;
+    __typeof__(cuMemGetInfo_v2) *info;
+    __typeof__(cuDeviceTotalMem_v2) *total_mem;
+    __typeof__(cuGetProcAddress_v2) *getproc;
+};
+
+enum kind { K_NONE, K_PTR, K_ASYNC, K_VMM, K_ARRAY, K_MIPMAP };
+struct slot {
+    enum kind kind;
+    unsigned long long value;
+};
+
+static struct api api;
+static struct slot slots[4096];
+static int nslots;
+static void *cuda;
+
+static void link_api(void) {
+    api = (struct api){cuInit, cuDevicePrimaryCtxRetain, cuCtxSetCurrent, cuMemAlloc_v2, cuMemFree_v2,
+                       cuMemAllocManaged, cuMemAllocPitch_v2, cuMemAllocAsync, cuMemAllocFromPoolAsync,
+                       cuMemFreeAsync, cuMemCreate, cuMemRelease, cuArrayCreate_v2, cuArray3DCreate_v2,
+                       cuArrayDestroy, cuMipmappedArrayCreate, cuMipmappedArrayDestroy, cuMemGetInfo_v2,
+                       cuDeviceTotalMem_v2, cuGetProcAddress_v2};
+}
+
+#define LOOKUP(field, name) api.field = (__typeof__(api.field))find(name)
+
+static void *dlsym_find(const char *name) { return dlsym(cuda, name); }
+
+static int proc_version = 13000;
+static cuuint64_t proc_flags = CU_GET_PROC_ADDRESS_LEGACY_STREAM;
+static void *procaddr_find(const char *versioned) {
+    char base[128];
+    snprintf(base, sizeof base, "%s", versioned);
+    char *suffix = strstr(base, "_v2");
+    if (suffix && suffix[3] == '\0') *suffix = '\0';
+    void *fn = NULL;
+    if (api.getproc(base, &fn, proc_version, proc_flags, NULL) != CUDA_SUCCESS) return NULL;
+    return fn;
+}
+
+static void lookup_api(void *(*find)(const char *)) {
+    LOOKUP(init, "cuInit");
+    LOOKUP(retain, "cuDevicePrimaryCtxRetain");
+    LOOKUP(set_current, "cuCtxSetCurrent");
+    LOOKUP(alloc, "cuMemAlloc_v2");
+    LOOKUP(free, "cuMemFree_v2");
+    LOOKUP(managed, "cuMemAllocManaged");
+    LOOKUP(pitch, "cuMemAllocPitch_v2");
+    LOOKUP(alloc_async, "cuMemAllocAsync");
+    LOOKUP(alloc_pool, "cuMemAllocFromPoolAsync");
+    LOOKUP(free_async, "cuMemFreeAsync");
+    LOOKUP(create, "cuMemCreate");
+    LOOKUP(release, "cuMemRelease");
+    LOOKUP(array, "cuArrayCreate_v2");
+    LOOKUP(array3d, "cuArray3DCreate_v2");
+    LOOKUP(array_destroy, "cuArrayDestroy");
+    LOOKUP(mipmap, "cuMipmappedArrayCreate");
+    LOOKUP(mipmap_destroy, "cuMipmappedArrayDestroy");
+    LOOKUP(info, "cuMemGetInfo_v2");
+    LOOKUP(total_mem, "cuDeviceTotalMem_v2");
+}
+
+static int setup_api(const char *path) {
+    if (strcmp(path, "link") == 0) {
+        link_api();
+        return 0;
+    }
+    cuda = dlopen("libcuda.so.1", RTLD_NOW);
+    if (!cuda) return -1;
+    api.getproc = (__typeof__(api.getproc))dlsym(cuda, "cuGetProcAddress_v2");
+    if (strcmp(path, "dlsym") == 0) {
+        lookup_api(dlsym_find);
+        return 0;
+    }
+    if (strcmp(path, "procaddr") == 0 && api.getproc) {
+        lookup_api(procaddr_find);
+        return 0;
+    }
+    return -1;
+}
+
+static unsigned long long num(const char *s) { return strtoull(s, NULL, 0); }
+
+static int remember(CUresult rc, enum kind kind, unsigned long long value) {
+    if (rc != CUDA_SUCCESS || nslots >= (int)(sizeof slots / sizeof slots[0])) return -1;
+    slots[nslots] = (struct slot){kind, value};
+    return nslots++;
+}
+
+static void report_alloc(const char *what, unsigned long long size, CUresult rc, enum kind kind,
+                         unsigned long long value) {
+    int id = remember(rc, kind, value);
+    printf("%s %llu rc=%d id=%d\n", what, size, (int)rc, id);
+}
+
+static CUresult release_slot(int id) {
+    if (id < 0 || id >= nslots || slots[id].kind == K_NONE) return CUDA_ERROR_INVALID_VALUE;
+    struct slot s = slots[id];
+    slots[id].kind = K_NONE;
+    switch (s.kind) {
+        case K_PTR: return api.free((CUdeviceptr)s.value);
+        case K_ASYNC: return api.free_async((CUdeviceptr)s.value, NULL);
+        case K_VMM: return api.release(s.value);
+        case K_ARRAY: return api.array_destroy((CUarray)(uintptr_t)s.value);
+        case K_MIPMAP: return api.mipmap_destroy((CUmipmappedArray)(uintptr_t)s.value);
+        default: return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+
+static CUresult make_current(int dev) {
+    CUcontext ctx;
+    CUresult rc = api.retain(&ctx, dev);
+    return rc == CUDA_SUCCESS ? api.set_current(ctx) : rc;
+}
+
+static void print_fake(int dev) {
+    fake_cuda_stats_fn stats = (fake_cuda_stats_fn)dlsym(RTLD_DEFAULT, FAKE_CUDA_STATS_SYMBOL);
+    fake_cuda_stats s;
+    if (!stats || stats(dev, &s) != 0) {
+        printf("fake %d unavailable\n", dev);
+        return;
+    }
+    printf("fake %d used=%llu peak=%llu allocs=%llu frees=%llu bad_frees=%llu total=%llu\n", dev, s.used, s.peak,
+           s.allocs, s.frees, s.bad_frees, s.total);
+}
+
+static void print_procaddr(const char *name, int version, cuuint64_t flags) {
+    void *fn = NULL;
+    CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    CUresult rc = api.getproc(name, &fn, version, flags, &status);
+    Dl_info info = {0};
+    const char *obj = "none", *sym = "none";
+    if (fn && dladdr(fn, &info)) {
+        obj = info.dli_fname ? strrchr(info.dli_fname, '/') ? strrchr(info.dli_fname, '/') + 1 : info.dli_fname
+                             : "?";
+        sym = info.dli_sname ? info.dli_sname : "?";
+    }
+    printf("procaddr %s %d rc=%d status=%d obj=%s sym=%s\n", name, version, (int)rc, (int)status, obj, sym);
+}
+
+static pthread_barrier_t race_start;
+
+struct race_args {
+    int iters;
+    unsigned long long size;
+    unsigned seed;
+    int ok, oom, other;
+};
+
+static void *race_thread(void *p) {
+    struct race_args *a = p;
+    CUdeviceptr live[4];
+    int nlive = 0;
+    if (make_current(0) != CUDA_SUCCESS) a->other++;
+    /* Everyone first tries to hold 4 at once, so demand surely exceeds the limit. */
+    for (; nlive < 4; nlive++) {
+        CUresult rc = api.alloc(&live[nlive], a->size);
+        if (rc != CUDA_SUCCESS) {
+            a->oom += rc == CUDA_ERROR_OUT_OF_MEMORY;
+            a->other += rc != CUDA_ERROR_OUT_OF_MEMORY;
+            break;
+        }
+        a->ok++;
+    }
+    pthread_barrier_wait(&race_start);
+    for (int i = 0; i < a->iters; i++) {
+        if (nlive < 4 && (nlive == 0 || rand_r(&a->seed) % 2)) {
+            CUresult rc = api.alloc(&live[nlive], a->size);
+            if (rc == CUDA_SUCCESS) {
+                nlive++;
+                a->ok++;
+            } else if (rc == CUDA_ERROR_OUT_OF_MEMORY) {
+                a->oom++;
+            } else {
+                a->other++;
+            }
+        } else {
+            int k = (int)(rand_r(&a->seed) % (unsigned)nlive);
+            if (api.free(live[k]) != CUDA_SUCCESS) a->other++;
+            live[k] = live[--nlive];
+        }
+    }
+    while (nlive > 0)
+        if (api.free(live[--nlive]) != CUDA_SUCCESS) a->other++;
+    return NULL;
+}
+
+static void race(int threads, int iters, unsigned long long size) {
+    pthread_t tid[64];
+    struct race_args args[64];
+    if (threads > 64) threads = 64;
+    pthread_barrier_init(&race_start, NULL, (unsigned)threads);
+    for (int i = 0; i < threads; i++) {
+        args[i] = (struct race_args){.iters = iters, .size = size, .seed = (unsigned)i * 7919u + 1};
+        pthread_create(&tid[i], NULL, race_thread, &args[i]);
+    }
+    int ok = 0, oom = 0, other = 0;
+    for (int i = 0; i < threads; i++) {
+        pthread_join(tid[i], NULL);
+        ok += args[i].ok;
+        oom += args[i].oom;
+        other += args[i].other;
+    }
+    pthread_barrier_destroy(&race_start);
+    printf("race ok=%d oom=%d other=%d\n", ok, oom, other);
+}
+
+static CUDA_ARRAY3D_DESCRIPTOR desc3d(size_t w, size_t h, size_t d) {
+    CUDA_ARRAY3D_DESCRIPTOR desc = {0};
+    desc.Width = w;
+    desc.Height = h;
+    desc.Depth = d;
+    desc.Format = CU_AD_FORMAT_FLOAT;
+    desc.NumChannels = 1;
+    return desc;
+}
+
+static void cmd_info(void) {
+    size_t free_b = 0, total_b = 0;
+    CUresult rc = api.info(&free_b, &total_b);
+    printf("info rc=%d free=%zu total=%zu\n", (int)rc, free_b, total_b);
+}
+
+static void cmd_info_null(void) {
+    size_t v = 0;
+    CUresult a = api.info(NULL, NULL);
+    CUresult b = api.info(NULL, &v);
+    size_t total = v;
+    CUresult c = api.info(&v, NULL);
+    printf("infonull rc=%d,%d,%d total=%zu free=%zu\n", (int)a, (int)b, (int)c, total, v);
+}
+
+static void cmd_create(unsigned long long size, int host) {
+    CUmemAllocationProp prop = {0};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = host ? CU_MEM_LOCATION_TYPE_HOST : CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = 0;
+    CUmemGenericAllocationHandle h = 0;
+    CUresult rc = api.create(&h, size, &prop, 0);
+    report_alloc(host ? "create_host" : "create", size, rc, K_VMM, h);
+}
+
+static void cmd_legacy(unsigned long long size) {
+    legacy_alloc_fn legacy = NULL;
+    CUresult rc = api.getproc("cuMemAlloc", (void **)&legacy, 2000, 0, NULL);
+    unsigned int ptr = 0;
+    if (rc == CUDA_SUCCESS) rc = legacy(&ptr, (unsigned int)size);
+    report_alloc("legacy", size, rc, K_PTR, ptr);
+}
+
+/* Runs one command starting at argv[i]; returns how many arguments it consumed, or 0. */
+static int run(char **argv, int argc, int i) {
+    const char *c = argv[i];
+    int left = argc - i - 1;
+#define ARG(k) argv[i + (k)]
+    if (!strcmp(c, "init")) return printf("init rc=%d\n", (int)api.init(0)), 1;
+    if (!strcmp(c, "ctx") && left >= 1) return printf("ctx rc=%d\n", (int)make_current((int)num(ARG(1)))), 2;
+    if (!strcmp(c, "noctx")) return printf("noctx rc=%d\n", (int)api.set_current(NULL)), 1;
+    if (!strcmp(c, "alloc") && left >= 1) {
+        CUdeviceptr p = 0;
+        CUresult rc = api.alloc(&p, num(ARG(1)));
+        return report_alloc("alloc", num(ARG(1)), rc, K_PTR, p), 2;
+    }
+    if (!strcmp(c, "allocnull")) return printf("allocnull rc=%d\n", (int)api.alloc(NULL, 1)), 1;
+    if (!strcmp(c, "managed") && left >= 1) {
+        CUdeviceptr p = 0;
+        CUresult rc = api.managed(&p, num(ARG(1)), CU_MEM_ATTACH_GLOBAL);
+        return report_alloc("managed", num(ARG(1)), rc, K_PTR, p), 2;
+    }
+    if (!strcmp(c, "pitch") && left >= 2) {
+        CUdeviceptr p = 0;
+        size_t pitch = 0;
+        CUresult rc = api.pitch(&p, &pitch, num(ARG(1)), num(ARG(2)), 4);
+        printf("pitch=%zu\n", pitch);
+        return report_alloc("pitch", num(ARG(1)) * num(ARG(2)), rc, K_PTR, p), 3;
+    }
+    if (!strcmp(c, "async") && left >= 1) {
+        CUdeviceptr p = 0;
+        CUresult rc = api.alloc_async(&p, num(ARG(1)), NULL);
+        return report_alloc("async", num(ARG(1)), rc, K_ASYNC, p), 2;
+    }
+    if (!strcmp(c, "pool") && left >= 1) {
+        CUdeviceptr p = 0;
+        CUresult rc = api.alloc_pool(&p, num(ARG(1)), NULL, NULL);
+        return report_alloc("pool", num(ARG(1)), rc, K_ASYNC, p), 2;
+    }
+    if (!strcmp(c, "create") && left >= 1) return cmd_create(num(ARG(1)), 0), 2;
+    if (!strcmp(c, "create_host") && left >= 1) return cmd_create(num(ARG(1)), 1), 2;
+    if (!strcmp(c, "array") && left >= 2) {
+        CUDA_ARRAY_DESCRIPTOR d = {.Width = num(ARG(1)), .Height = num(ARG(2)), .Format = CU_AD_FORMAT_FLOAT,
+                                   .NumChannels = 1};
+        CUarray a = NULL;
+        CUresult rc = api.array(&a, &d);
+        return report_alloc("array", num(ARG(1)) * num(ARG(2)) * 4, rc, K_ARRAY, (uintptr_t)a), 3;
+    }
+    if (!strcmp(c, "array3d") && left >= 3) {
+        CUDA_ARRAY3D_DESCRIPTOR d = desc3d(num(ARG(1)), num(ARG(2)), num(ARG(3)));
+        CUarray a = NULL;
+        CUresult rc = api.array3d(&a, &d);
+        return report_alloc("array3d", num(ARG(1)) * num(ARG(2)) * num(ARG(3)) * 4, rc, K_ARRAY, (uintptr_t)a), 4;
+    }
+    if (!strcmp(c, "mipmap") && left >= 3) {
+        CUDA_ARRAY3D_DESCRIPTOR d = desc3d(num(ARG(1)), num(ARG(2)), 0);
+        CUmipmappedArray m = NULL;
+        CUresult rc = api.mipmap(&m, &d, (unsigned)num(ARG(3)));
+        return report_alloc("mipmap", 0, rc, K_MIPMAP, (uintptr_t)m), 4;
+    }
+    if (!strcmp(c, "legacy") && left >= 1) return cmd_legacy(num(ARG(1))), 2;
+    if (!strcmp(c, "free") && left >= 1) return printf("free rc=%d\n", (int)release_slot((int)num(ARG(1)))), 2;
+    if (!strcmp(c, "freeptr") && left >= 1)
+        return printf("freeptr rc=%d\n", (int)api.free((CUdeviceptr)num(ARG(1)))), 2;
+    if (!strcmp(c, "info")) return cmd_info(), 1;
+    if (!strcmp(c, "infonull")) return cmd_info_null(), 1;
+    if (!strcmp(c, "totalmem") && left >= 1) {
+        size_t bytes = 0;
+        CUresult rc = api.total_mem(&bytes, (CUdevice)num(ARG(1)));
+        return printf("totalmem rc=%d bytes=%zu\n", (int)rc, bytes), 2;
+    }
+    if (!strcmp(c, "fake") && left >= 1) return print_fake((int)num(ARG(1))), 2;
+    if (!strcmp(c, "procaddr") && left >= 3)
+        return print_procaddr(ARG(1), (int)num(ARG(2)), num(ARG(3))), 4;
+    if (!strcmp(c, "race") && left >= 3) return race((int)num(ARG(1)), (int)num(ARG(2)), num(ARG(3))), 4;
+#undef ARG
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    int i = 1;
+    const char *path = "link";
+    if (i < argc && !strncmp(argv[i], "--path=", 7)) path = argv[i++] + 7;
+    if (i < argc && !strcmp(argv[i], "--ptds")) {
+        proc_flags = CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
+        i++;
+    }
+    if (setup_api(path) != 0) {
+        fprintf(stderr, "cuprobe: cannot set up path %s\n", path);
+        return 2;
+    }
+    while (i < argc) {
+        int used = run(argv, argc, i);
+        if (!used) {
+            fprintf(stderr, "cuprobe: bad command at '%s'\n", argv[i]);
+            return 2;
+        }
+        fflush(stdout);
+        i += used;
+    }
+    for (int k = 0; k < nslots; k++) release_slot(k); /* leave nothing behind for valgrind */
+    if (cuda) dlclose(cuda);
+    return 0;
+}
