@@ -2,8 +2,11 @@
  * FAKE_CUDA_TOTAL_MIB MiB each, real bookkeeping of every allocation (so tests can
  * see what reached the driver), and cuGetProcAddress that selects entry points by
  * base name, requested version and stream flags as the real driver does. */
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,7 +43,8 @@ struct shard {
     struct handle *buckets[256];
 };
 
-static struct device devices[MAX_DEVICES + 1]; /* the last one counts host VMM memory */
+static struct device local_devices[MAX_DEVICES + 1]; /* the last one counts host VMM memory */
+static struct device *devices = local_devices;
 #define HOST_SLOT MAX_DEVICES
 static struct shard shards[SHARDS] = {[0 ... SHARDS - 1] = {.lock = PTHREAD_MUTEX_INITIALIZER}};
 static _Atomic unsigned long long bad_frees;
@@ -60,7 +64,22 @@ static long env_long(const char *name, long fallback, long lo, long hi) {
     return text && (*end || end == text || v < lo || v > hi) ? fallback : v;
 }
 
+/* FAKE_CUDA_STATE=<file>: device counters live in a shared mapping, so the fake's
+ * ground truth covers every process using that file (dead processes are not released). */
+static void map_shared_state(void) {
+    const char *path = getenv("FAKE_CUDA_STATE");
+    if (!path || !*path) return;
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0) return;
+    if (ftruncate(fd, sizeof local_devices) == 0) {
+        void *p = mmap(NULL, sizeof local_devices, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p != MAP_FAILED) devices = p;
+    }
+    close(fd);
+}
+
 static void read_config(void) {
+    map_shared_state();
     device_count = (int)env_long("FAKE_CUDA_DEVICES", 1, 1, MAX_DEVICES);
     device_total = (unsigned long long)env_long("FAKE_CUDA_TOTAL_MIB", 15360, 1, 1L << 30) << 20;
     const char *cvd = getenv("CUDA_VISIBLE_DEVICES");

@@ -73,6 +73,7 @@ static void load_nvml_once(void) {
 #define VGPU_RESOLVE(name) vgpu_nvml.name = (__typeof__(vgpu_nvml.name))vgpu_real_dlsym(nvml_handle, #name);
         VGPU_NVML_HOOKED(VGPU_RESOLVE)
         VGPU_RESOLVE(nvmlDeviceGetIndex)
+        VGPU_RESOLVE(nvmlDeviceGetUUID)
 #undef VGPU_RESOLVE
     }
     loading_depth--;

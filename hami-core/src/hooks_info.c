@@ -17,7 +17,7 @@ VGPU_EXPORT CUresult cuMemGetInfo_v2(size_t *free_out, size_t *total_out) {
     int idx;
     if (vgpu_current_index(&idx) == CUDA_SUCCESS && limited(idx)) {
         uint64_t total = min_u64(vgpu_ledger_limit(idx), total_bytes);
-        free_bytes = (size_t)min_u64(free_bytes, room_left(total, vgpu_ledger_used(idx)));
+        free_bytes = (size_t)min_u64(free_bytes, room_left(total, vgpu_ledger_used_fresh(idx)));
         total_bytes = (size_t)total;
     }
     if (free_out) *free_out = free_bytes;
@@ -34,12 +34,17 @@ VGPU_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     return rc;
 }
 
-/* NVML reports per NVML index, which is the ledger's index. */
+/* NVML reports per NVML index, which is the ledger's index. Also records the device's
+ * UUID in the shared file, for monitoring. */
 static int nvml_index(nvmlDevice_t device) {
     unsigned int index;
+    char uuid[96];
     if (!vgpu_nvml.nvmlDeviceGetIndex || vgpu_nvml.nvmlDeviceGetIndex(device, &index) != NVML_SUCCESS ||
         index >= VGPU_MAX_DEVICES)
         return -1;
+    if (vgpu_shm_state() == VGPU_SHM_ON && vgpu_nvml.nvmlDeviceGetUUID &&
+        vgpu_nvml.nvmlDeviceGetUUID(device, uuid, sizeof uuid) == NVML_SUCCESS)
+        vgpu_shm_set_uuid((int)index, uuid);
     return (int)index;
 }
 
@@ -50,7 +55,7 @@ VGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory
     int idx = nvml_index(device);
     if (rc != NVML_SUCCESS || !memory || !limited(idx)) return rc;
     memory->total = vgpu_ledger_limit(idx);
-    memory->used = vgpu_ledger_used(idx);
+    memory->used = vgpu_ledger_used_fresh(idx);
     memory->free = room_left(memory->total, memory->used);
     return rc;
 }
@@ -63,7 +68,7 @@ VGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMem
     if (rc != NVML_SUCCESS || !memory || !limited(idx)) return rc;
     memory->total = vgpu_ledger_limit(idx);
     memory->reserved = 0; /* driver reservations are outside the container's grant */
-    memory->used = vgpu_ledger_used(idx);
+    memory->used = vgpu_ledger_used_fresh(idx);
     memory->free = room_left(memory->total, memory->used);
     return rc;
 }

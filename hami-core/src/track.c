@@ -95,3 +95,13 @@ int vgpu_track_take(enum vgpu_kind kind, uint64_t key, int *idx, uint64_t *bytes
     free(found);
     return 1;
 }
+
+/* Runs in a fork child: locks may have been held by parent threads that do not exist here. */
+void vgpu_track_after_fork(void) {
+    for (unsigned i = 0; i < SHARDS; i++) {
+        pthread_mutex_init(&shards[i].lock, NULL);
+        shards[i].buckets = NULL; /* the parent's entries stay allocated but unused */
+        shards[i].nbuckets = 0;
+        shards[i].count = 0;
+    }
+}

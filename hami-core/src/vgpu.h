@@ -37,13 +37,26 @@ int vgpu_config_index(CUdevice ordinal);
 int vgpu_ledger_reserve(int idx, uint64_t bytes);
 void vgpu_ledger_release(int idx, uint64_t bytes);
 uint64_t vgpu_ledger_used(int idx);
+/* As above, after dropping processes that died (for reports such as NVML). */
+uint64_t vgpu_ledger_used_fresh(int idx);
 uint64_t vgpu_ledger_limit(int idx);
+
+/* ---- shm.c: the shared accounting file (layout in shm_layout.h) ---- */
+enum { VGPU_SHM_OFF, VGPU_SHM_ON, VGPU_SHM_BROKEN };
+int vgpu_shm_state(void);
+int vgpu_shm_reserve(int idx, uint64_t bytes);
+void vgpu_shm_release(int idx, uint64_t bytes);
+uint64_t vgpu_shm_used(int idx, int refresh);
+uint64_t vgpu_shm_limit(int idx);
+void vgpu_shm_set_uuid(int idx, const char *uuid);
 
 /* ---- track.c: which live handles the library charged, and for how much ---- */
 enum vgpu_kind { VGPU_KIND_PTR = 1, VGPU_KIND_VMM, VGPU_KIND_ARRAY, VGPU_KIND_MIPMAP };
 int vgpu_track_add(enum vgpu_kind kind, uint64_t key, int idx, uint64_t bytes);
 /* Removes the entry; returns 1 and its charge when the key was tracked. */
 int vgpu_track_take(enum vgpu_kind kind, uint64_t key, int *idx, uint64_t *bytes);
+/* In a fork child: the parent's allocations are not the child's to free. */
+void vgpu_track_after_fork(void);
 
 /* ---- driver.c: the real libcuda / libnvidia-ml, found by soname ---- */
 #define VGPU_CUDA_HOOKED(X)                                                              \
@@ -83,6 +96,7 @@ struct vgpu_nvml_real {
     VGPU_NVML_HOOKED(VGPU_FIELD)
 #undef VGPU_FIELD
     __typeof__(nvmlDeviceGetIndex) *nvmlDeviceGetIndex;
+    __typeof__(nvmlDeviceGetUUID) *nvmlDeviceGetUUID;
 };
 
 extern struct vgpu_cuda_real vgpu_cuda;

@@ -8,6 +8,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <cuda.h>
 #include "fake_cuda.h"
 
@@ -354,6 +356,27 @@ static int run(char **argv, int argc, int i) {
     if (!strcmp(c, "procaddr") && left >= 3)
         return print_procaddr(ARG(1), (int)num(ARG(2)), num(ARG(3))), 4;
     if (!strcmp(c, "race") && left >= 3) return race((int)num(ARG(1)), (int)num(ARG(2)), num(ARG(3))), 4;
+    if (!strcmp(c, "hold") && left >= 1) {
+        printf("holding\n");
+        fflush(stdout);
+        usleep((useconds_t)(num(ARG(1)) * 1000));
+        return 2;
+    }
+    if (!strcmp(c, "fork") && left >= 1) { /* child: make current, allocate, report */
+        fflush(stdout);
+        pid_t child = fork();
+        if (child == 0) {
+            CUdeviceptr p = 0;
+            CUresult rc = make_current(0);
+            if (rc == CUDA_SUCCESS) rc = api.alloc(&p, num(ARG(1)));
+            printf("child alloc rc=%d\n", (int)rc);
+            fflush(stdout);
+            _exit(0);
+        }
+        int status = 0;
+        waitpid(child, &status, 0);
+        return printf("fork exited=%d\n", WIFEXITED(status) ? WEXITSTATUS(status) : -1), 2;
+    }
 #undef ARG
     return 0;
 }

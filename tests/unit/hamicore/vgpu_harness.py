@@ -3,9 +3,11 @@ parses their `key=value` output lines."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +18,9 @@ LIBVGPU = BUILD / "libvgpu.so"
 FAKE_DIR = BUILD / "fake"
 TESTS_DIR = BUILD / "tests"
 MIB = 1 << 20
+GIB_BYTES = 1 << 30
+_CACHE_DIR = tempfile.TemporaryDirectory(prefix="vgpu-cache-")
+_cache_ids = itertools.count()
 
 # Variables that would change what the library or the fake does; never inherited.
 _CONTROLLED = re.compile(r"^(CUDA_|LIBCUDA_|FAKE_CUDA_|LD_PRELOAD$|LD_LIBRARY_PATH$|NVIDIA_)")
@@ -47,10 +52,16 @@ class Result:
 def base_env(extra: dict[str, str] | None = None, preload: bool = True) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not _CONTROLLED.match(k)}
     env["LD_LIBRARY_PATH"] = str(FAKE_DIR)
+    # Each run gets its own shared accounting file unless the test shares one on purpose.
+    env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = fresh_cache_path()
     if preload:
         env["LD_PRELOAD"] = str(LIBVGPU)
     env.update(extra or {})
     return env
+
+
+def fresh_cache_path() -> str:
+    return os.path.join(_CACHE_DIR.name, f"usage-{os.getpid()}-{next(_cache_ids)}.cache")
 
 
 def run_program(argv: list[str], env: dict[str, str] | None = None, preload: bool = True,

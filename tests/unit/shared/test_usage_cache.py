@@ -1,0 +1,61 @@
+"""The usage-cache reader: validation of magic, version and size, typed results, and
+retry/failure on torn reads. Files are built here byte by byte from the documented layout."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from kai_isolator.shared import usage_cache as uc
+
+
+def build_file(magic: int = uc.MAGIC, version: int = uc.VERSION, seq: int = 2) -> bytearray:
+    data = bytearray(uc.FILE_SIZE)
+    struct.pack_into("<IIQIIQQ", data, 0, magic, version, uc.FILE_SIZE, uc.DEVICES, uc.SLOTS, seq, 123456789)
+    dev = uc._HEADER.size
+    struct.pack_into("<QQ96s", data, dev, 4147 << 20, 300, b"GPU-abc")
+    struct.pack_into("<QQ96s", data, dev + 128, uc.NO_LIMIT, 0, b"")
+    slot = uc._HEADER.size + uc.DEVICES * 128 + 5 * 144
+    struct.pack_into("<iIQ", data, slot, 4242, 0, 99)
+    struct.pack_into("<Q", data, slot + 16, 300)
+    return data
+
+
+def write(tmp_path: Path, data: bytes) -> Path:
+    path = tmp_path / "usage.cache"
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_reads_devices_and_processes(tmp_path: Path) -> None:
+    snap = uc.read_usage(write(tmp_path, build_file()))
+    assert snap.version == 1 and snap.last_update_ns == 123456789
+    assert snap.devices[0] == uc.DeviceUsage(index=0, uuid="GPU-abc", limit_bytes=4147 << 20, used_bytes=300)
+    assert snap.devices[1].limit_bytes is None
+    assert snap.processes == [uc.ProcessUsage(pid=4242, used_bytes={0: 300})]
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (build_file(magic=0x19920718), "bad magic"),
+        (build_file(version=2), "version 2"),
+        (build_file()[:1000], "truncated"),
+        (build_file() + b"\0", "size"),
+    ],
+)
+def test_bad_files_are_typed_errors(tmp_path: Path, data: bytes, message: str) -> None:
+    with pytest.raises(uc.UsageCacheError, match=message):
+        uc.read_usage(write(tmp_path, data))
+
+
+def test_missing_file_is_a_typed_error(tmp_path: Path) -> None:
+    with pytest.raises(uc.UsageCacheError):
+        uc.read_usage(tmp_path / "absent.cache")
+
+
+def test_a_write_in_progress_is_never_returned(tmp_path: Path) -> None:
+    with pytest.raises(uc.TornReadError):
+        uc.read_usage(write(tmp_path, build_file(seq=3)), attempts=3)
