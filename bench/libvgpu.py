@@ -37,6 +37,7 @@ def run_once(exe: Path, threads: int, preload: bool) -> float:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "LD_PRELOAD", "FAKE_CUDA"))}
     env["LD_LIBRARY_PATH"] = str(FAKE)
     env["CUDA_DEVICE_MEMORY_LIMIT"] = "4147m"
+    env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = str(exe.parent / "usage.cache")  # never the host's /tmp default
     if preload:
         env["LD_PRELOAD"] = str(LIBVGPU)
     pairs = max(1, PAIRS // threads)
