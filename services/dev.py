@@ -1,0 +1,48 @@
+"""`kai-isolator dev`: the embedded bus plus every service, in one process tree, until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+
+import nats
+
+from kai_isolator.shared.bus import provision_stream, wait_for_signal
+from kai_isolator.shared.embedded_nats import bus_url
+from kai_isolator.shared.settings import BusSettings, load
+from kai_isolator.shared.tail import follow, render_line
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    return commands.add_parser("dev", help="run the bus and all services locally, printing events", description=__doc__)
+
+
+async def run(args: argparse.Namespace) -> int:
+    settings = load(BusSettings, args)
+    async with bus_url(settings) as url:
+        await _provision(url, settings)
+        print(f"kai-isolator dev: bus at {url}; printing events; Ctrl-C to stop", flush=True)
+        timeline = asyncio.create_task(_print_events(url))
+        await wait_for_signal()
+        timeline.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await timeline
+    print("kai-isolator dev: stopped", flush=True)
+    return 0
+
+
+async def _provision(url: str, settings: BusSettings) -> None:
+    nc = await nats.connect(url)
+    try:
+        await provision_stream(nc.jetstream(), settings)
+    finally:
+        await nc.drain()
+
+
+async def _print_events(url: str) -> None:
+    async for item in follow(url):
+        print(render_line(item, as_json=False), flush=True)

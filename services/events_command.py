@@ -1,0 +1,46 @@
+"""`kai-isolator events`: print the isolation event stream, live or replayed from a point in time."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+
+from kai_isolator.shared import subjects
+from kai_isolator.shared.bus import wait_for_signal
+from kai_isolator.shared.embedded_nats import bus_url
+from kai_isolator.shared.settings import BusSettings, load
+from kai_isolator.shared.tail import follow, parse_since, render_line
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    parser = commands.add_parser("events", help="tail the isolation event stream", description=__doc__)
+    parser.add_argument("--subject", default=subjects.ALL_EVENTS, help="subject filter, e.g. 'isolator.pod.>' (default: all events)")
+    parser.add_argument("--since", help="replay from this long ago (10m, 2h, 1d) or an ISO time, then follow")
+    parser.add_argument("--json", action="store_true", help="print each CloudEvent as one JSON line")
+    parser.add_argument("--limit", type=int, help="exit after this many events")
+    return parser
+
+
+async def run(args: argparse.Namespace) -> int:
+    since = parse_since(args.since) if args.since else None
+    async with bus_url(load(BusSettings, args)) as url:
+        printer = asyncio.create_task(_print(url, args.subject, since, args.json, args.limit))
+        stopper = asyncio.create_task(wait_for_signal())
+        await asyncio.wait({printer, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (printer, stopper):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return 0
+
+
+async def _print(url: str, subject: str, since: object, as_json: bool, limit: int | None) -> None:
+    seen = 0
+    async for item in follow(url, subject, since):  # type: ignore[arg-type]
+        print(render_line(item, as_json), flush=True)
+        seen += 1
+        if limit is not None and seen >= limit:
+            return
+    sys.stdout.flush()

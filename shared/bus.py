@@ -1,0 +1,435 @@
+"""Bus runtime: runs a service's handlers on NATS so that a handler is just a typed async function.
+
+The runtime connects (and reconnects), provisions the stream and KV buckets, binds event
+handlers to durable pull consumers and request handlers to request/reply subjects, decodes
+and validates, acks / naks with backoff / dead-letters, publishes with de-duplication ids,
+serves the probes and drains on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import ssl
+import time
+import types
+import typing
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig, StorageType, StreamConfig
+from nats.js.kv import KeyValue
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from . import subjects
+from .errors import BusError, DecodeError
+from .events import DeadLetter, ErrorReply, Payload, decode, encode
+from .probes import ProbeServer
+from .settings import BusSettings
+
+log = logging.getLogger(__name__)
+
+HandlerResult = Payload | Iterable[Payload] | None
+EventHandler = Callable[[Any], Awaitable[HandlerResult]]
+RequestHandler = Callable[[Any], Awaitable[Payload]]
+
+HEADERS_CONTENT_TYPE = "application/cloudevents+json"
+
+
+def accepted_types(handler: Callable[..., Any]) -> tuple[type[Payload], ...]:
+    """The payload classes a handler takes, read from its first parameter's annotation."""
+    hints = typing.get_type_hints(handler)
+    hints.pop("return", None)
+    if not hints:
+        raise TypeError(f"handler {handler.__qualname__} needs an annotated payload parameter")
+    annotation = next(iter(hints.values()))
+    members = typing.get_args(annotation) if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union else (annotation,)
+    if not all(isinstance(m, type) and issubclass(m, Payload) for m in members):
+        raise TypeError(f"handler {handler.__qualname__} must take Payload subclasses, not {annotation!r}")
+    return tuple(members)
+
+
+def retry_delay(deliveries: int, settings: BusSettings) -> float:
+    """Bounded exponential backoff: base, 2*base, 4*base ... capped."""
+    return float(min(settings.backoff_max_s, settings.backoff_base_s * 2 ** max(0, deliveries - 1)))
+
+
+def as_payloads(result: HandlerResult) -> list[Payload]:
+    if result is None:
+        return []
+    if isinstance(result, Payload):
+        return [result]
+    return list(result)
+
+
+@dataclass
+class EventBinding:
+    durable: str
+    filter_subject: str
+    handler: EventHandler
+    accepts: tuple[type[Payload], ...]
+    deliver_policy: DeliverPolicy = DeliverPolicy.ALL
+    bound: bool = False
+
+
+@dataclass
+class RequestBinding:
+    subject: str
+    handler: RequestHandler
+    accepts: tuple[type[Payload], ...]
+    bound: bool = False
+
+
+@dataclass
+class _Metrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.handled = Counter("kai_isolator_bus_messages", "Messages handled, by handler and outcome", ["handler", "outcome"], registry=r)
+        self.handler_seconds = Histogram("kai_isolator_bus_handler_seconds", "Handler run time", ["handler"], registry=r)
+        self.published = Counter("kai_isolator_bus_published", "Events published, by outcome", ["outcome"], registry=r)
+        self.connected = Gauge("kai_isolator_bus_connected", "1 while connected to NATS", registry=r)
+
+
+class Runtime:
+    """One service's connection to the bus and the handlers bound on it."""
+
+    def __init__(self, service: str, settings: BusSettings, *, kv_buckets: Iterable[str] = (), probe_listen: str | None = None) -> None:
+        self.service = service
+        self.settings = settings
+        self.kv_buckets = tuple(kv_buckets)
+        self.metrics = _Metrics()
+        self._probe = ProbeServer(probe_listen, self.metrics.registry, self.not_ready) if probe_listen else None
+        self._events: list[EventBinding] = []
+        self._requests: list[RequestBinding] = []
+        self._nc: NatsClient | None = None
+        self._js: JetStreamContext | None = None
+        self._kv: dict[str, KeyValue] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._pull_subscriptions: list[JetStreamContext.PullSubscription] = []
+        self._stopping = asyncio.Event()
+        self._in_flight: set[asyncio.Task[None]] = set()
+
+    # --- binding ------------------------------------------------------------------------
+
+    def on_event(self, name: str, filter_subject: str, handler: EventHandler, *, new_only: bool = False) -> None:
+        """Bind `handler` to a durable consumer `<service>-<name>` of the event stream."""
+        policy = DeliverPolicy.NEW if new_only else DeliverPolicy.ALL
+        self._events.append(EventBinding(f"{self.service}-{name}", filter_subject, handler, accepted_types(handler), policy))
+
+    def on_request(self, subject: str, handler: RequestHandler) -> None:
+        """Answer requests on `subject` (one responder per service instance group)."""
+        self._requests.append(RequestBinding(subject, handler, accepted_types(handler)))
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    @property
+    def probe_url(self) -> str:
+        return self._probe.url if self._probe else ""
+
+    def not_ready(self) -> list[str]:
+        missing = []
+        if self._nc is None or not self._nc.is_connected:
+            missing.append("bus not connected")
+        missing += [f"consumer {b.durable} not bound" for b in self._events if not b.bound]
+        missing += [f"responder {b.subject} not bound" for b in self._requests if not b.bound]
+        return missing
+
+    async def start(self, url: str) -> None:
+        if self._probe:
+            await self._probe.start()
+        self._nc = await self._connect(url)
+        self._js = self._nc.jetstream()
+        await self._provision()
+        for binding in self._events:
+            psub = await self._bind_consumer(binding)
+            self._pull_subscriptions.append(psub)
+            self._tasks.append(asyncio.create_task(self._consume(binding, psub), name=binding.durable))
+        for request in self._requests:
+            await self._nc.subscribe(request.subject, queue=self.service, cb=self._responder(request))
+            request.bound = True
+        log.info("service bound to the bus", extra={"service": self.service, "consumers": len(self._events), "responders": len(self._requests)})
+
+    async def stop(self) -> None:
+        """Finish the messages being handled, ack them, then drain the connection (idempotent)."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        for task in self._tasks:
+            await task
+        for psub in self._pull_subscriptions:
+            with contextlib.suppress(nats.errors.Error):
+                await psub.unsubscribe()
+        if self._in_flight:
+            await asyncio.gather(*self._in_flight, return_exceptions=True)
+        if self._nc is not None and not self._nc.is_closed:
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                await self._nc.drain()
+        if self._probe:
+            await self._probe.stop()
+        log.info("service stopped", extra={"service": self.service})
+
+    async def run(self, url: str) -> None:
+        """Start, serve until SIGTERM/SIGINT, then stop gracefully."""
+        await self.start(url)
+        await wait_for_signal()
+        await self.stop()
+
+    async def _connect(self, url: str) -> NatsClient:
+        deadline = time.monotonic() + self.settings.nats_connect_timeout_s
+        delay = 0.1
+        while True:
+            try:
+                return await nats.connect(**self._connect_options(url))
+            except (OSError, nats.errors.Error, asyncio.TimeoutError) as error:
+                if time.monotonic() + delay > deadline:
+                    raise BusError(f"cannot reach NATS at {url}: {error or type(error).__name__}") from None
+                log.warning("NATS not reachable yet, retrying", extra={"url": url, "retry_in_s": delay})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def _connect_options(self, url: str) -> dict[str, Any]:
+        s = self.settings
+        options: dict[str, Any] = {
+            "servers": [u.strip() for u in url.split(",")],
+            "name": self.service,
+            "max_reconnect_attempts": -1,
+            "reconnect_time_wait": 0.5,
+            "connect_timeout": 2,
+            "drain_timeout": 5,
+            "disconnected_cb": self._on_disconnect,
+            "reconnected_cb": self._on_reconnect,
+            "error_cb": self._on_error,
+            "user": s.nats_user,
+            "password": s.nats_password,
+            "token": s.nats_token,
+        }
+        if s.nats_creds_file:
+            options["user_credentials"] = str(s.nats_creds_file)
+        if s.nats_tls_ca_file or s.nats_tls_cert_file:
+            tls = ssl.create_default_context(cafile=str(s.nats_tls_ca_file) if s.nats_tls_ca_file else None)
+            if s.nats_tls_cert_file and s.nats_tls_key_file:
+                tls.load_cert_chain(str(s.nats_tls_cert_file), str(s.nats_tls_key_file))
+            options["tls"] = tls
+        return {k: v for k, v in options.items() if v is not None}
+
+    async def _on_disconnect(self) -> None:
+        self.metrics.connected.set(0)
+        if not self._stopping.is_set():
+            log.warning("disconnected from NATS; reconnecting", extra={"service": self.service})
+
+    async def _on_reconnect(self) -> None:
+        self.metrics.connected.set(1)
+        log.info("reconnected to NATS", extra={"service": self.service})
+
+    async def _on_error(self, error: Exception) -> None:
+        log.debug("NATS client error", extra={"service": self.service, "error": repr(error)})
+
+    async def _provision(self) -> None:
+        """Create or update the stream and KV buckets; safe to run from every replica at once."""
+        assert self._js is not None
+        await provision_stream(self._js, self.settings)
+        for bucket in self.kv_buckets:
+            try:
+                self._kv[bucket] = await self._js.key_value(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                self._kv[bucket] = await self._js.create_key_value(KeyValueConfig(bucket=bucket, history=5))
+        self.metrics.connected.set(1)
+
+    async def _bind_consumer(self, binding: EventBinding) -> JetStreamContext.PullSubscription:
+        assert self._js is not None
+        config = ConsumerConfig(
+            durable_name=binding.durable,
+            filter_subject=binding.filter_subject,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.settings.ack_wait_s,
+            max_deliver=self.settings.max_deliver,
+            deliver_policy=binding.deliver_policy,
+        )
+        psub = await self._js.pull_subscribe(binding.filter_subject, durable=binding.durable, stream=subjects.STREAM_NAME, config=config)
+        binding.bound = True
+        return psub
+
+    # --- consuming ----------------------------------------------------------------------
+
+    async def _consume(self, binding: EventBinding, psub: JetStreamContext.PullSubscription) -> None:
+        while not self._stopping.is_set():
+            try:
+                batch = await psub.fetch(self.settings.fetch_batch, timeout=0.5)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            except nats.errors.Error as error:
+                # Disconnected or reconnecting: the client reconnects on its own; just wait.
+                log.debug("fetch failed", extra={"consumer": binding.durable, "error": repr(error)})
+                await asyncio.sleep(0.2)
+                continue
+            for msg in batch:
+                await self._deliver(binding, msg)
+
+    async def _deliver(self, binding: EventBinding, msg: Msg) -> None:
+        deliveries = msg.metadata.num_delivered
+        try:
+            _, payload = decode(msg.data)
+        except DecodeError as error:
+            await self._dead_letter(binding, msg, f"undecodable: {error}")
+            return
+        if not isinstance(payload, binding.accepts):
+            await self._settle(msg.ack(), binding, "skipped")
+            return
+        started = time.perf_counter()
+        try:
+            for event in as_payloads(await binding.handler(payload)):
+                await self.publish(event)
+        except Exception as error:  # noqa: BLE001 - any handler failure is a retry, never a crash
+            self.metrics.handler_seconds.labels(binding.durable).observe(time.perf_counter() - started)
+            await self._retry_or_dead_letter(binding, msg, deliveries, error)
+            return
+        self.metrics.handler_seconds.labels(binding.durable).observe(time.perf_counter() - started)
+        await self._settle(msg.ack(), binding, "ok")
+
+    async def _retry_or_dead_letter(self, binding: EventBinding, msg: Msg, deliveries: int, error: Exception) -> None:
+        reason = f"{type(error).__name__}: {error}"
+        if deliveries >= self.settings.max_deliver:
+            await self._dead_letter(binding, msg, f"handler failed {deliveries} times; last: {reason}")
+            return
+        delay = retry_delay(deliveries, self.settings)
+        log.warning("handler failed; will retry", extra={"consumer": binding.durable, "delivery": deliveries, "retry_in_s": delay, "error": reason})
+        await self._settle(msg.nak(delay=delay), binding, "retried")
+
+    async def _dead_letter(self, binding: EventBinding, msg: Msg, error: str) -> None:
+        meta = msg.metadata
+        letter = DeadLetter.of(
+            service=self.service, consumer=binding.durable, subject=msg.subject,
+            sequence=meta.sequence.stream, deliveries=meta.num_delivered, error=error, raw=msg.data,
+        )
+        try:
+            await self.publish(letter)
+        except BusError:
+            # Without a dead-letter record, let the server redeliver rather than lose the message.
+            await self._settle(msg.nak(delay=self.settings.backoff_max_s), binding, "retried")
+            return
+        log.error("message dead-lettered", extra={"consumer": binding.durable, "subject": msg.subject, "error": error})
+        await self._settle(msg.term(), binding, "dead_lettered")
+
+    async def _settle(self, action: Awaitable[None], binding: EventBinding, outcome: str) -> None:
+        try:
+            await action
+        except nats.errors.Error as error:
+            # The ack is lost with the connection; the server redelivers after ack_wait.
+            log.warning("could not settle message", extra={"consumer": binding.durable, "outcome": outcome, "error": repr(error)})
+            return
+        self.metrics.handled.labels(binding.durable, outcome).inc()
+
+    # --- request / reply ----------------------------------------------------------------
+
+    def _responder(self, binding: RequestBinding) -> Callable[[Msg], Awaitable[None]]:
+        async def on_message(msg: Msg) -> None:
+            task = asyncio.create_task(self._answer(binding, msg))
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
+
+        return on_message
+
+    async def _answer(self, binding: RequestBinding, msg: Msg) -> None:
+        started = time.perf_counter()
+        outcome = "ok"
+        try:
+            _, request = decode(msg.data)
+            if not isinstance(request, binding.accepts):
+                raise DecodeError(f"{binding.subject} does not take {request.event_type}")
+            reply: Payload = await binding.handler(request)
+        except DecodeError as error:
+            reply, outcome = ErrorReply(error=str(error)), "bad_request"
+        except Exception as error:  # noqa: BLE001 - the caller gets the error instead of a timeout
+            log.exception("request handler failed", extra={"subject": binding.subject})
+            reply, outcome = ErrorReply(error=f"{type(error).__name__}: {error}"), "error"
+        self.metrics.handler_seconds.labels(binding.subject).observe(time.perf_counter() - started)
+        self.metrics.handled.labels(binding.subject, outcome).inc()
+        if msg.reply:
+            with contextlib.suppress(nats.errors.Error):
+                await msg.respond(encode(reply, self.service))
+
+    async def request(self, request: Payload, timeout_s: float | None = None) -> Payload:
+        """Send a request to its subject and return the typed reply; BusError on failure."""
+        nc = self._connected()
+        try:
+            msg = await nc.request(request.subject(), encode(request, self.service), timeout=timeout_s or self.settings.request_timeout_s)
+        except nats.errors.NoRespondersError:
+            raise BusError(f"nobody answers {request.subject()}") from None
+        except (nats.errors.Error, asyncio.TimeoutError) as error:
+            raise BusError(f"request to {request.subject()} failed: {type(error).__name__}") from None
+        _, reply = decode(msg.data)
+        if isinstance(reply, ErrorReply):
+            raise BusError(f"{request.subject()} answered with an error: {reply.error}")
+        return reply
+
+    # --- publishing and state -----------------------------------------------------------
+
+    async def publish(self, event: Payload) -> None:
+        """Publish to the stream with a de-duplication id; BusError if not stored."""
+        js = self._jetstream()
+        headers = {"Nats-Msg-Id": event.dedup_id(), "Content-Type": HEADERS_CONTENT_TYPE}
+        try:
+            ack = await js.publish(event.subject(), encode(event, self.service), headers=headers)
+        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as error:
+            self.metrics.published.labels("failed").inc()
+            raise BusError(f"publish to {event.subject()} failed: {type(error).__name__}") from None
+        self.metrics.published.labels("duplicate" if ack.duplicate else "stored").inc()
+
+    def kv(self, bucket: str) -> KeyValue:
+        """A KV bucket named at construction (provisioned on start)."""
+        if bucket not in self._kv:
+            raise BusError(f"KV bucket {bucket!r} was not provisioned by {self.service}")
+        return self._kv[bucket]
+
+    @property
+    def jetstream(self) -> JetStreamContext:
+        return self._jetstream()
+
+    def _connected(self) -> NatsClient:
+        if self._nc is None:
+            raise BusError("runtime not started")
+        return self._nc
+
+    def _jetstream(self) -> JetStreamContext:
+        if self._js is None:
+            raise BusError("runtime not started")
+        return self._js
+
+
+async def provision_stream(js: JetStreamContext, settings: BusSettings) -> None:
+    """Create the event stream, or bring an existing one to this configuration."""
+    config = StreamConfig(
+        name=subjects.STREAM_NAME,
+        subjects=list(subjects.STREAM_SUBJECTS),
+        storage=StorageType.FILE,
+        max_age=settings.stream_max_age_s,
+        duplicate_window=settings.duplicate_window_s,
+    )
+    try:
+        await js.add_stream(config)
+    except nats.js.errors.BadRequestError:
+        await js.update_stream(config)
+
+
+async def wait_for_signal() -> None:
+    """Block until SIGTERM or SIGINT."""
+    loop = asyncio.get_running_loop()
+    received = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, received.set)
+    try:
+        await received.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,358 @@
+"""CloudEvents 1.0 envelope (structured JSON mode) and the versioned payload of every event and request.
+
+A payload knows its CloudEvents `type`, the subject it is published on and the id that
+de-duplicates it, so publishers never spell any of them.
+"""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from datetime import datetime, timezone
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from . import subjects
+from .errors import DecodeError
+
+SPEC_VERSION = "1.0"
+CONTENT_TYPE = "application/cloudevents+json"
+TYPE_PREFIX = "io.kai-isolator."
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Payload(BaseModel):
+    """Base of every event and request body."""
+
+    # Unknown fields are ignored so a newer producer's additive fields never break an older consumer.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    TYPES: ClassVar[tuple[str, ...]]
+
+    @property
+    def event_type(self) -> str:
+        return self.TYPES[0]
+
+    def subject(self) -> str:
+        raise NotImplementedError(f"{type(self).__name__} is not published on a subject")
+
+    def event_subject(self) -> str | None:
+        """The CloudEvents `subject` attribute: what the event is about, e.g. `ns/pod`."""
+        return None
+
+    def dedup_id(self) -> str:
+        """`Nats-Msg-Id` and CloudEvents `id`: equal for two publications of the same fact."""
+        return uuid.uuid4().hex
+
+
+class Envelope(BaseModel):
+    """CloudEvents 1.0 attributes, structured JSON mode."""
+
+    model_config = ConfigDict(extra="allow")  # CloudEvents extension attributes
+    specversion: Literal["1.0"] = SPEC_VERSION
+    id: str = Field(min_length=1)
+    source: str = Field(min_length=1)
+    type: str = Field(min_length=1)
+    subject: str | None = None
+    time: datetime = Field(default_factory=utcnow)
+    datacontenttype: str = "application/json"
+    data: Any = None
+
+
+# --- shared pieces -----------------------------------------------------------------
+
+
+class PodRef(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    namespace: str
+    name: str
+    uid: str = ""
+
+
+class Reason(BaseModel):
+    """A machine-readable code with a human explanation."""
+
+    model_config = ConfigDict(frozen=True)
+    code: str
+    message: str = ""
+
+
+class DeviceUsage(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    index: int = Field(ge=0)
+    uuid: str = ""
+    limit_bytes: int = Field(ge=0)
+    used_bytes: int = Field(ge=0)
+
+
+class ProcessUsage(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    pid: int = Field(gt=0)
+    device: int = Field(ge=0)
+    used_bytes: int = Field(ge=0)
+
+
+# --- events --------------------------------------------------------------------------
+
+AdmissionOutcome = Literal["injected", "skipped", "denied", "warned"]
+
+
+class AdmissionDecision(Payload):
+    """What the webhook decided for one pod CREATE."""
+
+    TYPES = ("io.kai-isolator.admission.decision.v1",)
+    request_uid: str
+    namespace: str
+    pod_name: str = Field(description="metadata.name, or generateName when the name is not yet set")
+    decision: AdmissionOutcome
+    reason: str = ""
+    container: str | None = None
+    findings: list[str] = Field(default_factory=list)
+    patch_operations: int = Field(0, ge=0)
+
+    def subject(self) -> str:
+        return subjects.admission(self.namespace)
+
+    def event_subject(self) -> str:
+        return f"{self.namespace}/{self.pod_name}"
+
+    def dedup_id(self) -> str:
+        return f"admission:{self.request_uid}"
+
+
+PodState = Literal["pending", "scheduled", "running", "terminated", "deleted"]
+
+
+class PodEvent(Payload):
+    """A GPU-sharing pod's isolation story at one resourceVersion."""
+
+    TYPES = tuple(f"io.kai-isolator.pod.{state}.v1" for state in PodState.__args__)  # type: ignore[attr-defined]
+    pod: PodRef
+    resource_version: str
+    state: PodState
+    phase: str | None = None
+    node_name: str | None = None
+    container: str | None = Field(None, description="the fraction container the library targets")
+    injected: bool = False
+    gpu_fraction: str | None = None
+    gpu_memory: str | None = None
+    memory_limit: str | None = Field(None, description="CUDA_DEVICE_MEMORY_LIMIT granted by the scheduler")
+    reasons: list[Reason] = Field(default_factory=list)
+
+    @property
+    def event_type(self) -> str:
+        return f"io.kai-isolator.pod.{self.state}.v1"
+
+    def subject(self) -> str:
+        return subjects.pod(self.pod.namespace, self.pod.name)
+
+    def event_subject(self) -> str:
+        return f"{self.pod.namespace}/{self.pod.name}"
+
+    def dedup_id(self) -> str:
+        return f"pod:{self.pod.uid}:{self.resource_version}:{self.state}"
+
+
+Verdict = Literal["verified", "degraded", "missing"]
+
+
+class HealthVerdict(Payload):
+    """The verifier's finding for one container at one observation."""
+
+    TYPES = ("io.kai-isolator.health.verdict.v1",)
+    pod: PodRef
+    node_name: str
+    container: str
+    verdict: Verdict
+    reasons: list[Reason] = Field(default_factory=list)
+    observation: str = Field(description="digest of what was observed; the same observation is never re-emitted")
+    observed_at: datetime = Field(default_factory=utcnow)
+
+    def subject(self) -> str:
+        return subjects.health(self.pod.namespace, self.pod.name)
+
+    def event_subject(self) -> str:
+        return f"{self.pod.namespace}/{self.pod.name}"
+
+    def dedup_id(self) -> str:
+        return f"health:{self.pod.uid}:{self.container}:{self.observation}"
+
+
+class NodeStatus(Payload):
+    """A node agent's report of what is installed on its node."""
+
+    TYPES = ("io.kai-isolator.node.status.v1",)
+    node_name: str
+    sequence: int = Field(ge=0, description="per-agent counter; with node_name it identifies the report")
+    ready: bool
+    active_version: str | None = Field(None, description="sha256 prefix of the library libvgpu.so points at")
+    installed_versions: list[str] = Field(default_factory=list)
+    container_vgpu_mount: str = "/usr/local/vgpu"
+    gpu_count: int = Field(0, ge=0)
+    message: str = ""
+
+    def subject(self) -> str:
+        return subjects.node_status(self.node_name)
+
+    def event_subject(self) -> str:
+        return self.node_name
+
+    def dedup_id(self) -> str:
+        return f"node:{self.node_name}:{self.sequence}"
+
+
+class UsageReport(Payload):
+    """GPU memory use of one container, read from its usage cache."""
+
+    TYPES = ("io.kai-isolator.usage.report.v1",)
+    pod: PodRef
+    node_name: str
+    container: str
+    devices: list[DeviceUsage] = Field(default_factory=list)
+    processes: list[ProcessUsage] = Field(default_factory=list)
+    sampled_at: datetime = Field(default_factory=utcnow)
+
+    def subject(self) -> str:
+        return subjects.usage(self.pod.namespace, self.pod.name)
+
+    def event_subject(self) -> str:
+        return f"{self.pod.namespace}/{self.pod.name}"
+
+    def dedup_id(self) -> str:
+        return f"usage:{self.pod.uid}:{self.container}:{self.sampled_at.isoformat()}"
+
+
+class DeadLetter(Payload):
+    """A message a service gave up on, with why."""
+
+    TYPES = ("io.kai-isolator.dlq.letter.v1",)
+    service: str
+    consumer: str
+    original_subject: str
+    stream_sequence: int = Field(ge=0)
+    deliveries: int = Field(ge=0)
+    error: str
+    payload_base64: str
+
+    @classmethod
+    def of(cls, *, service: str, consumer: str, subject: str, sequence: int, deliveries: int, error: str, raw: bytes) -> DeadLetter:
+        return cls(
+            service=service, consumer=consumer, original_subject=subject, stream_sequence=sequence,
+            deliveries=deliveries, error=error, payload_base64=base64.b64encode(raw).decode(),
+        )
+
+    def subject(self) -> str:
+        return subjects.dlq(self.service)
+
+    def dedup_id(self) -> str:
+        return f"dlq:{self.consumer}:{self.stream_sequence}"
+
+
+# --- requests and replies ---------------------------------------------------------------
+
+
+class InspectRequest(Payload):
+    """Ask a node agent what a container's processes really have."""
+
+    TYPES = ("io.kai-isolator.node.inspect.request.v1",)
+    node_name: str
+    pod: PodRef
+    container: str
+
+    def subject(self) -> str:
+        return subjects.node_inspect(self.node_name)
+
+
+class ProcessReport(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    pid: int
+    preload: str | None = Field(None, description="content of /etc/ld.so.preload as the process sees it")
+    library_mapped: bool = False
+    library_version: str | None = None
+    memory_limit_env: str | None = None
+
+
+class InspectReply(Payload):
+    TYPES = ("io.kai-isolator.node.inspect.reply.v1",)
+    node_name: str
+    pod: PodRef
+    container: str
+    found: bool
+    processes: list[ProcessReport] = Field(default_factory=list)
+    devices: list[DeviceUsage] = Field(default_factory=list)
+    installed_version: str | None = None
+    message: str = ""
+
+
+class InstallRequest(Payload):
+    """Ask a node agent to activate a library version."""
+
+    TYPES = ("io.kai-isolator.node.install.request.v1",)
+    node_name: str
+    version: str = Field(min_length=1)
+    rollout_id: str = ""
+
+    def subject(self) -> str:
+        return subjects.node_install(self.node_name)
+
+
+class InstallReply(Payload):
+    TYPES = ("io.kai-isolator.node.install.reply.v1",)
+    node_name: str
+    version: str
+    ok: bool
+    active_version: str | None = None
+    message: str = ""
+
+
+class ErrorReply(Payload):
+    """What a request gets back when its handler failed or the request was unreadable."""
+
+    TYPES = ("io.kai-isolator.error.reply.v1",)
+    error: str
+
+
+PAYLOAD_CLASSES: tuple[type[Payload], ...] = (
+    AdmissionDecision, PodEvent, HealthVerdict, NodeStatus, UsageReport, DeadLetter,
+    InspectRequest, InspectReply, InstallRequest, InstallReply, ErrorReply,
+)
+REGISTRY: dict[str, type[Payload]] = {t: cls for cls in PAYLOAD_CLASSES for t in cls.TYPES}
+
+
+def encode(payload: Payload, source: str) -> bytes:
+    """Structured-mode CloudEvent bytes for a payload."""
+    envelope = Envelope(
+        id=payload.dedup_id(),
+        source=source,
+        type=payload.event_type,
+        subject=payload.event_subject(),
+        data=payload.model_dump(mode="json"),
+    )
+    return envelope.model_dump_json(exclude_none=True).encode()
+
+
+def decode(raw: bytes) -> tuple[Envelope, Payload]:
+    """Validate an envelope and its typed data; DecodeError says what is wrong."""
+    try:
+        envelope = Envelope.model_validate_json(raw)
+    except ValidationError as error:
+        raise DecodeError(f"not a CloudEvents 1.0 JSON envelope: {_first(error)}") from None
+    model = REGISTRY.get(envelope.type)
+    if model is None:
+        raise DecodeError(f"unknown event type {envelope.type!r}")
+    try:
+        payload = model.model_validate(envelope.data)
+    except ValidationError as error:
+        raise DecodeError(f"invalid {envelope.type} data: {_first(error)}") from None
+    if payload.event_type != envelope.type:
+        raise DecodeError(f"envelope type {envelope.type!r} disagrees with its data ({payload.event_type!r})")
+    return envelope, payload
+
+
+def _first(error: ValidationError) -> str:
+    detail = error.errors()[0]
+    where = ".".join(map(str, detail["loc"])) or "body"
+    return f"{where}: {detail['msg']} ({error.error_count()} error(s))"

@@ -1,0 +1,77 @@
+"""Typed settings, one object per concern, from `KAI_ISOLATOR_*` env vars; flags override env."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Literal, TypeVar
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .errors import ConfigError
+
+ENV_PREFIX = "KAI_ISOLATOR_"
+
+
+class _Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+
+class BusSettings(_Settings):
+    """Where the NATS server is and how the runtime treats messages."""
+
+    nats_url: str | None = Field(None, description="NATS server URL(s), comma separated; unset = start an embedded server")
+    nats_user: str | None = None
+    nats_password: str | None = None
+    nats_token: str | None = None
+    nats_creds_file: Path | None = Field(None, description="NATS .creds file (JWT + nkey)")
+    nats_tls_ca_file: Path | None = None
+    nats_tls_cert_file: Path | None = None
+    nats_tls_key_file: Path | None = None
+    nats_connect_timeout_s: float = Field(30.0, gt=0, description="give up on the first connection after this long")
+    stream_max_age_s: float = Field(7 * 24 * 3600, gt=0, description="how long the event stream keeps events")
+    duplicate_window_s: float = Field(120.0, gt=0, description="JetStream de-duplication window for Nats-Msg-Id")
+    max_deliver: int = Field(5, ge=1, description="deliveries before a failing message goes to the dead-letter subject")
+    ack_wait_s: float = Field(30.0, gt=0, description="redeliver a message not acked within this long")
+    backoff_base_s: float = Field(0.5, gt=0, description="first retry delay; doubles per delivery")
+    backoff_max_s: float = Field(30.0, gt=0, description="cap of the retry delay")
+    fetch_batch: int = Field(64, ge=1, le=1024)
+    request_timeout_s: float = Field(5.0, gt=0)
+
+    def urls(self) -> list[str]:
+        return [u.strip() for u in (self.nats_url or "").split(",") if u.strip()]
+
+
+class ProbeSettings(_Settings):
+    """The HTTP endpoint for /healthz, /readyz and /metrics."""
+
+    probe_listen: str = Field("0.0.0.0:8081", description="HOST:PORT for /healthz, /readyz, /metrics (port 0 = any)")
+
+
+class LogSettings(_Settings):
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_json: bool = Field(False, description="one JSON object per line instead of key=value text")
+
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def load(cls: type[S], args: argparse.Namespace | None = None) -> S:
+    """Build settings from env, then let any flag the user actually gave win."""
+    overrides = {}
+    if args is not None:
+        overrides = {k: v for k, v in vars(args).items() if k in cls.model_fields and v is not None}
+    try:
+        return cls(**overrides)
+    except ValidationError as error:
+        problems = "; ".join(f"{ENV_PREFIX}{'.'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in error.errors())
+        raise ConfigError(f"invalid {cls.__name__}: {problems}") from None
+
+
+def split_host_port(listen: str) -> tuple[str, int]:
+    """Parse HOST:PORT (IPv6 in brackets) into its parts, with a clear error."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"expected HOST:PORT, got {listen!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)

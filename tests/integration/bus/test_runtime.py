@@ -1,0 +1,215 @@
+"""The bus runtime against a real nats-server: delivery, retries, dead letters, de-duplication, state."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+import pytest
+from aiohttp import ClientSession
+
+from kai_isolator.shared import subjects
+from kai_isolator.shared.bus import Runtime
+from kai_isolator.shared.errors import BusError
+from kai_isolator.shared.events import (
+    DeadLetter, HealthVerdict, InspectReply, InspectRequest, NodeStatus, PodEvent, PodRef, decode,
+)
+
+from support import RuntimeFactory, eventually
+
+
+def pod_event(name: str, rv: str = "1", state: str = "running") -> PodEvent:
+    return PodEvent(pod=PodRef(namespace="team-a", name=name, uid=f"uid-{name}"), resource_version=rv, state=state)  # type: ignore[arg-type]
+
+
+async def dead_letters(runtime: Runtime, service: str, count: int) -> list[DeadLetter]:
+    sub = await runtime.jetstream.pull_subscribe(subjects.dlq(service), durable=None, stream=subjects.STREAM_NAME)
+    letters: list[DeadLetter] = []
+    deadline = time.monotonic() + 10
+    while len(letters) < count and time.monotonic() < deadline:
+        try:
+            for msg in await sub.fetch(count, timeout=0.5):
+                letters.append(decode(msg.data)[1])  # type: ignore[arg-type]
+                await msg.ack()
+        except asyncio.TimeoutError:
+            pass
+    return letters
+
+
+async def test_typed_event_reaches_its_handler_and_its_output_is_published(start_runtime: RuntimeFactory) -> None:
+    received: list[PodEvent] = []
+    verdicts: list[HealthVerdict] = []
+
+    async def on_pod(event: PodEvent) -> HealthVerdict:
+        received.append(event)
+        return HealthVerdict(pod=event.pod, node_name="n1", container="main", verdict="verified", observation="o1")
+
+    async def on_health(event: HealthVerdict) -> None:
+        verdicts.append(event)
+
+    def setup(r: Runtime) -> None:
+        r.on_event("pods", subjects.ALL_PODS, on_pod)
+        r.on_event("health", subjects.ALL_HEALTH, on_health)
+
+    runtime = await start_runtime("svc", setup)
+    await runtime.publish(pod_event("p1"))
+    await eventually(lambda: len(verdicts) == 1)
+    assert isinstance(received[0], PodEvent) and received[0].pod.name == "p1"
+    assert verdicts[0].pod.uid == "uid-p1" and verdicts[0].verdict == "verified"
+
+
+async def test_handler_only_gets_the_types_it_declares(start_runtime: RuntimeFactory) -> None:
+    seen: list[object] = []
+
+    async def only_status(event: NodeStatus) -> None:
+        seen.append(event)
+
+    runtime = await start_runtime("svc", lambda r: r.on_event("all", subjects.ALL_EVENTS, only_status))
+    await runtime.publish(pod_event("ignored"))
+    await runtime.publish(NodeStatus(node_name="gpu-1", sequence=1, ready=True))
+    await eventually(lambda: len(seen) == 1)
+    await asyncio.sleep(0.2)
+    assert [type(e) for e in seen] == [NodeStatus]
+
+
+async def test_failing_handler_is_retried_with_growing_backoff(start_runtime: RuntimeFactory) -> None:
+    attempts: list[float] = []
+
+    async def flaky(event: PodEvent) -> None:
+        attempts.append(time.monotonic())
+        if len(attempts) < 3:
+            raise RuntimeError("transient")
+
+    runtime = await start_runtime("svc", lambda r: r.on_event("pods", subjects.ALL_PODS, flaky))
+    await runtime.publish(pod_event("p1"))
+    await eventually(lambda: len(attempts) == 3)
+    first_gap, second_gap = attempts[1] - attempts[0], attempts[2] - attempts[1]
+    assert first_gap >= 0.05 * 0.9 and second_gap >= 0.1 * 0.9  # base, then doubled
+    await asyncio.sleep(0.5)
+    assert len(attempts) == 3  # acked after success: no further delivery
+    assert runtime.metrics.handled.labels("svc-pods", "retried")._value.get() == 2
+    assert runtime.metrics.handled.labels("svc-pods", "ok")._value.get() == 1
+
+
+async def test_message_that_keeps_failing_lands_on_the_dead_letter_subject(start_runtime: RuntimeFactory) -> None:
+    attempts = 0
+
+    async def always_fails(event: PodEvent) -> None:
+        nonlocal attempts
+        attempts += 1
+        raise ValueError(f"cannot handle {event.pod.name}")
+
+    runtime = await start_runtime("svc", lambda r: r.on_event("pods", subjects.ALL_PODS, always_fails))
+    await runtime.publish(pod_event("poison"))
+    [letter] = await dead_letters(runtime, "svc", 1)
+    assert attempts == 3 == letter.deliveries
+    assert "cannot handle poison" in letter.error and "ValueError" in letter.error
+    assert letter.original_subject == subjects.pod("team-a", "poison")
+    assert decode(base64.b64decode(letter.payload_base64))[1] == pod_event("poison")
+    await asyncio.sleep(0.5)
+    assert attempts == 3  # terminated, not redelivered
+
+
+@pytest.mark.parametrize(
+    "raw, expected_error",
+    [
+        (b"\x00\xff not json", "not a CloudEvents 1.0 JSON envelope"),
+        (b'{"specversion":"1.0","id":"x","source":"s","type":"io.example.unknown.v1"}', "unknown event type"),
+        (b'{"specversion":"1.0","id":"x","source":"s","type":"io.kai-isolator.pod.running.v1","data":{"pod":1}}', "invalid io.kai-isolator.pod.running.v1 data"),
+        (b'{"specversion":"0.3","id":"x","source":"s","type":"io.kai-isolator.pod.running.v1"}', "specversion"),
+    ],
+)
+async def test_undecodable_payloads_are_dead_lettered_and_processing_continues(
+    start_runtime: RuntimeFactory, raw: bytes, expected_error: str
+) -> None:
+    handled: list[PodEvent] = []
+
+    async def on_pod(event: PodEvent) -> None:
+        handled.append(event)
+
+    runtime = await start_runtime("svc", lambda r: r.on_event("pods", subjects.ALL_PODS, on_pod))
+    await runtime.jetstream.publish(subjects.pod("team-a", "garbage"), raw)
+    await runtime.publish(pod_event("good"))
+    await eventually(lambda: len(handled) == 1)
+    [letter] = await dead_letters(runtime, "svc", 1)
+    assert expected_error in letter.error and letter.deliveries == 1
+    assert base64.b64decode(letter.payload_base64) == raw
+
+
+async def test_duplicate_message_id_is_dropped(start_runtime: RuntimeFactory) -> None:
+    handled: list[PodEvent] = []
+
+    async def on_pod(event: PodEvent) -> None:
+        handled.append(event)
+
+    runtime = await start_runtime("svc", lambda r: r.on_event("pods", subjects.ALL_PODS, on_pod))
+    for _ in range(3):
+        await runtime.publish(pod_event("p1", rv="7"))
+    await runtime.publish(pod_event("p1", rv="8"))
+    await eventually(lambda: len(handled) == 2)
+    await asyncio.sleep(0.3)
+    assert [e.resource_version for e in handled] == ["7", "8"]
+    assert runtime.metrics.published.labels("duplicate")._value.get() == 2
+
+
+async def test_kv_state_survives_a_runtime_restart(start_runtime: RuntimeFactory) -> None:
+    first = await start_runtime("svc", kv_buckets=["pod-state"])
+    await first.kv("pod-state").put("team-a.p1", b"verified")
+    await first.stop()
+    second = await start_runtime("svc", kv_buckets=["pod-state"])
+    entry = await second.kv("pod-state").get("team-a.p1")
+    assert entry.value == b"verified"
+    with pytest.raises(BusError, match="not provisioned"):
+        second.kv("other")
+
+
+async def test_request_reply_returns_typed_reply_or_a_clear_error(start_runtime: RuntimeFactory) -> None:
+    async def inspect(request: InspectRequest) -> InspectReply:
+        if request.container == "boom":
+            raise RuntimeError("proc scan failed")
+        return InspectReply(node_name=request.node_name, pod=request.pod, container=request.container, found=True)
+
+    await start_runtime("agent", lambda r: r.on_request(subjects.node_inspect("gpu-1"), inspect))
+    caller = await start_runtime("caller")
+    pod = PodRef(namespace="team-a", name="p1", uid="u1")
+    reply = await caller.request(InspectRequest(node_name="gpu-1", pod=pod, container="main"))
+    assert isinstance(reply, InspectReply) and reply.found and reply.container == "main"
+    with pytest.raises(BusError, match="proc scan failed"):
+        await caller.request(InspectRequest(node_name="gpu-1", pod=pod, container="boom"))
+    with pytest.raises(BusError, match="nobody answers"):
+        await caller.request(InspectRequest(node_name="gpu-2", pod=pod, container="main"), timeout_s=1)
+
+
+async def test_garbage_request_gets_an_error_reply_not_silence(start_runtime: RuntimeFactory) -> None:
+    async def inspect(request: InspectRequest) -> InspectReply:
+        raise AssertionError("must not be called")
+
+    agent = await start_runtime("agent", lambda r: r.on_request(subjects.node_inspect("gpu-1"), inspect))
+    reply = await agent._connected().request(subjects.node_inspect("gpu-1"), b"{not json", timeout=2)
+    assert "not a CloudEvents" in decode(reply.data)[1].error  # type: ignore[attr-defined]
+
+
+async def test_probes_report_readiness_and_metrics(start_runtime: RuntimeFactory) -> None:
+    async def on_pod(event: PodEvent) -> None:
+        return None
+
+    runtime = await start_runtime("svc", lambda r: r.on_event("pods", subjects.ALL_PODS, on_pod), probe_listen="127.0.0.1:0")
+    await runtime.publish(pod_event("p1"))
+    await eventually(lambda: runtime.metrics.handled.labels("svc-pods", "ok")._value.get() == 1)
+    async with ClientSession() as http:
+        for path, status in (("/healthz", 200), ("/readyz", 200)):
+            async with http.get(runtime.probe_url + path) as response:
+                assert response.status == status
+        async with http.get(runtime.probe_url + "/metrics") as response:
+            text = await response.text()
+    assert 'kai_isolator_bus_messages_total{handler="svc-pods",outcome="ok"} 1.0' in text
+    assert "kai_isolator_bus_connected 1.0" in text
+
+
+async def test_readyz_is_503_until_the_bus_is_connected(bus_settings) -> None:  # type: ignore[no-untyped-def]
+    runtime = Runtime("svc", bus_settings, probe_listen="127.0.0.1:0")
+    assert runtime.not_ready() == ["bus not connected"]
+    await runtime.start(bus_settings.nats_url)
+    assert runtime.not_ready() == []
+    await runtime.stop()
