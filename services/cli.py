@@ -16,6 +16,9 @@ from . import dev, events_command
 
 Command = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
+# Each module has `add_parser(subparsers) -> ArgumentParser` and `async run(args) -> int`.
+COMMAND_MODULES = (events_command, dev)
+
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="env KAI_ISOLATOR_LOG_LEVEL (default info)")
@@ -32,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Enforce KAI-Scheduler GPU-sharing limits: webhook, node agent, libvgpu.so, and an event bus on NATS.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (events_command, dev):
+    for module in COMMAND_MODULES:
         sub = module.add_parser(commands)
         add_common_flags(sub)
         add_bus_flags(sub)

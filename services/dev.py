@@ -1,4 +1,9 @@
-"""`kai-isolator dev`: the embedded bus plus every service, in one process tree, until Ctrl-C."""
+"""`kai-isolator dev`: the embedded bus plus every service, in one process tree, until Ctrl-C.
+
+Each service contributes a component: an async context manager factory that starts it
+in-process against the shared `DevContext` and stops it on exit. Components start in the
+order of `COMPONENTS` and stop in reverse.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,12 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import tempfile
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import nats
 
@@ -17,14 +28,34 @@ from kai_isolator.shared.tail import follow, render_line
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class DevContext:
+    """What components share: the bus, a private work dir, and values earlier components publish."""
+
+    nats_url: str
+    bus: BusSettings
+    workdir: Path
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+DevComponent = Callable[[DevContext], AbstractAsyncContextManager[None]]
+
+# Later components may rely on values earlier ones put in DevContext.values.
+COMPONENTS: list[DevComponent] = []
+
+
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     return commands.add_parser("dev", help="run the bus and all services locally, printing events", description=__doc__)
 
 
 async def run(args: argparse.Namespace) -> int:
     settings = load(BusSettings, args)
-    async with bus_url(settings) as url:
+    async with bus_url(settings) as url, contextlib.AsyncExitStack() as stack:
         await _provision(url, settings)
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kai-isolator-dev-")))
+        context = DevContext(nats_url=url, bus=settings.model_copy(update={"nats_url": url}), workdir=workdir)
+        for component in COMPONENTS:
+            await stack.enter_async_context(component(context))
         print(f"kai-isolator dev: bus at {url}; printing events; Ctrl-C to stop", flush=True)
         timeline = asyncio.create_task(_print_events(url))
         await wait_for_signal()

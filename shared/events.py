@@ -123,10 +123,10 @@ class AdmissionDecision(Payload):
         return f"admission:{self.request_uid}"
 
 
-PodState = Literal["pending", "scheduled", "running", "terminated", "deleted"]
+PodState = Literal["admitted", "scheduled", "running", "finished", "deleted", "isolation-missing"]
 
 
-class PodEvent(Payload):
+class PodIsolation(Payload):
     """A GPU-sharing pod's isolation story at one resourceVersion."""
 
     TYPES = tuple(f"io.kai-isolator.pod.{state}.v1" for state in PodState.__args__)  # type: ignore[attr-defined]
@@ -139,7 +139,7 @@ class PodEvent(Payload):
     injected: bool = False
     gpu_fraction: str | None = None
     gpu_memory: str | None = None
-    memory_limit: str | None = Field(None, description="CUDA_DEVICE_MEMORY_LIMIT granted by the scheduler")
+    expected_limit: str | None = Field(None, description="CUDA_DEVICE_MEMORY_LIMIT granted by the scheduler")
     reasons: list[Reason] = Field(default_factory=list)
 
     @property
@@ -316,7 +316,7 @@ class ErrorReply(Payload):
 
 
 PAYLOAD_CLASSES: tuple[type[Payload], ...] = (
-    AdmissionDecision, PodEvent, HealthVerdict, NodeStatus, UsageReport, DeadLetter,
+    AdmissionDecision, PodIsolation, HealthVerdict, NodeStatus, UsageReport, DeadLetter,
     InspectRequest, InspectReply, InstallRequest, InstallReply, ErrorReply,
 )
 REGISTRY: dict[str, type[Payload]] = {t: cls for cls in PAYLOAD_CLASSES for t in cls.TYPES}

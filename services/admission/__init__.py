@@ -1,1 +1,1 @@
-"""x"""
+"""Mutating admission webhook: AdmissionReview in, JSON patch that injects libvgpu.so out."""

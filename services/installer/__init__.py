@@ -1,1 +1,1 @@
-"""x"""
+"""Installer: the rollout driver that moves node agents to a target library version in batches."""

@@ -1,1 +1,1 @@
-"""x"""
+"""Node agent: installs libvgpu.so on its node, inspects containers and exports their usage."""

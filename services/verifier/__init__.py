@@ -1,1 +1,1 @@
-"""x"""
+"""Verifier: proves isolation is really active in each running GPU-sharing container."""

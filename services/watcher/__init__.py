@@ -1,1 +1,1 @@
-"""x"""
+"""Watcher: lists and watches GPU-sharing pods and publishes their isolation story on the bus."""

@@ -13,14 +13,14 @@ from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.errors import BusError
 from kai_isolator.shared.events import (
-    DeadLetter, HealthVerdict, InspectReply, InspectRequest, NodeStatus, PodEvent, PodRef, decode,
+    DeadLetter, HealthVerdict, InspectReply, InspectRequest, NodeStatus, PodIsolation, PodRef, decode,
 )
 
 from support import RuntimeFactory, eventually
 
 
-def pod_event(name: str, rv: str = "1", state: str = "running") -> PodEvent:
-    return PodEvent(pod=PodRef(namespace="team-a", name=name, uid=f"uid-{name}"), resource_version=rv, state=state)  # type: ignore[arg-type]
+def pod_event(name: str, rv: str = "1", state: str = "running") -> PodIsolation:
+    return PodIsolation(pod=PodRef(namespace="team-a", name=name, uid=f"uid-{name}"), resource_version=rv, state=state)  # type: ignore[arg-type]
 
 
 async def dead_letters(runtime: Runtime, service: str, count: int) -> list[DeadLetter]:
@@ -38,10 +38,10 @@ async def dead_letters(runtime: Runtime, service: str, count: int) -> list[DeadL
 
 
 async def test_typed_event_reaches_its_handler_and_its_output_is_published(start_runtime: RuntimeFactory) -> None:
-    received: list[PodEvent] = []
+    received: list[PodIsolation] = []
     verdicts: list[HealthVerdict] = []
 
-    async def on_pod(event: PodEvent) -> HealthVerdict:
+    async def on_pod(event: PodIsolation) -> HealthVerdict:
         received.append(event)
         return HealthVerdict(pod=event.pod, node_name="n1", container="main", verdict="verified", observation="o1")
 
@@ -55,7 +55,7 @@ async def test_typed_event_reaches_its_handler_and_its_output_is_published(start
     runtime = await start_runtime("svc", setup)
     await runtime.publish(pod_event("p1"))
     await eventually(lambda: len(verdicts) == 1)
-    assert isinstance(received[0], PodEvent) and received[0].pod.name == "p1"
+    assert isinstance(received[0], PodIsolation) and received[0].pod.name == "p1"
     assert verdicts[0].pod.uid == "uid-p1" and verdicts[0].verdict == "verified"
 
 
@@ -76,7 +76,7 @@ async def test_handler_only_gets_the_types_it_declares(start_runtime: RuntimeFac
 async def test_failing_handler_is_retried_with_growing_backoff(start_runtime: RuntimeFactory) -> None:
     attempts: list[float] = []
 
-    async def flaky(event: PodEvent) -> None:
+    async def flaky(event: PodIsolation) -> None:
         attempts.append(time.monotonic())
         if len(attempts) < 3:
             raise RuntimeError("transient")
@@ -95,7 +95,7 @@ async def test_failing_handler_is_retried_with_growing_backoff(start_runtime: Ru
 async def test_message_that_keeps_failing_lands_on_the_dead_letter_subject(start_runtime: RuntimeFactory) -> None:
     attempts = 0
 
-    async def always_fails(event: PodEvent) -> None:
+    async def always_fails(event: PodIsolation) -> None:
         nonlocal attempts
         attempts += 1
         raise ValueError(f"cannot handle {event.pod.name}")
@@ -123,9 +123,9 @@ async def test_message_that_keeps_failing_lands_on_the_dead_letter_subject(start
 async def test_undecodable_payloads_are_dead_lettered_and_processing_continues(
     start_runtime: RuntimeFactory, raw: bytes, expected_error: str
 ) -> None:
-    handled: list[PodEvent] = []
+    handled: list[PodIsolation] = []
 
-    async def on_pod(event: PodEvent) -> None:
+    async def on_pod(event: PodIsolation) -> None:
         handled.append(event)
 
     runtime = await start_runtime("svc", lambda r: r.on_event("pods", subjects.ALL_PODS, on_pod))
@@ -138,9 +138,9 @@ async def test_undecodable_payloads_are_dead_lettered_and_processing_continues(
 
 
 async def test_duplicate_message_id_is_dropped(start_runtime: RuntimeFactory) -> None:
-    handled: list[PodEvent] = []
+    handled: list[PodIsolation] = []
 
-    async def on_pod(event: PodEvent) -> None:
+    async def on_pod(event: PodIsolation) -> None:
         handled.append(event)
 
     runtime = await start_runtime("svc", lambda r: r.on_event("pods", subjects.ALL_PODS, on_pod))
@@ -191,7 +191,7 @@ async def test_garbage_request_gets_an_error_reply_not_silence(start_runtime: Ru
 
 
 async def test_probes_report_readiness_and_metrics(start_runtime: RuntimeFactory) -> None:
-    async def on_pod(event: PodEvent) -> None:
+    async def on_pod(event: PodIsolation) -> None:
         return None
 
     runtime = await start_runtime("svc", lambda r: r.on_event("pods", subjects.ALL_PODS, on_pod), probe_listen="127.0.0.1:0")
