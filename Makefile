@@ -19,10 +19,10 @@ test: $(STAMP) hami-core
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 run: $(STAMP) hami-core
-	$(BIN)/kai-isolator dev --demo
+	$(BIN)/kai-isolator dev
 
 bench: $(STAMP) hami-core
-	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done
+	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) hami-core/build .pytest_cache

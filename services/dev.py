@@ -20,7 +20,7 @@ from typing import Any
 
 import nats
 
-from kai_isolator.shared.bus import provision_stream, wait_for_signal
+from kai_isolator.shared.bus import provision_stream, stop_signals
 from kai_isolator.shared.embedded_nats import bus_url
 from kai_isolator.shared.settings import BusSettings, load
 from kai_isolator.shared.tail import follow, render_line
@@ -56,9 +56,10 @@ async def run(args: argparse.Namespace) -> int:
         context = DevContext(nats_url=url, bus=settings.model_copy(update={"nats_url": url}), workdir=workdir)
         for component in COMPONENTS:
             await stack.enter_async_context(component(context))
-        print(f"kai-isolator dev: bus at {url}; printing events; Ctrl-C to stop", flush=True)
-        timeline = asyncio.create_task(_print_events(url))
-        await wait_for_signal()
+        with stop_signals() as stop:
+            timeline = asyncio.create_task(_print_events(url))
+            print(f"kai-isolator dev: bus at {url}; printing events; Ctrl-C to stop", flush=True)
+            await stop.wait()
         timeline.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await timeline

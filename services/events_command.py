@@ -6,9 +6,10 @@ import argparse
 import asyncio
 import contextlib
 import sys
+from datetime import datetime
 
 from kai_isolator.shared import subjects
-from kai_isolator.shared.bus import wait_for_signal
+from kai_isolator.shared.bus import stop_signals
 from kai_isolator.shared.embedded_nats import bus_url
 from kai_isolator.shared.settings import BusSettings, load
 from kai_isolator.shared.tail import follow, parse_since, render_line
@@ -26,19 +27,20 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 async def run(args: argparse.Namespace) -> int:
     since = parse_since(args.since) if args.since else None
     async with bus_url(load(BusSettings, args)) as url:
-        printer = asyncio.create_task(_print(url, args.subject, since, args.json, args.limit))
-        stopper = asyncio.create_task(wait_for_signal())
-        await asyncio.wait({printer, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (printer, stopper):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        with stop_signals() as stop:
+            printer = asyncio.create_task(_print(url, args.subject, since, args.json, args.limit))
+            stopper = asyncio.create_task(stop.wait())
+            await asyncio.wait({printer, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            for task in (printer, stopper):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
     return 0
 
 
-async def _print(url: str, subject: str, since: object, as_json: bool, limit: int | None) -> None:
+async def _print(url: str, subject: str, since: datetime | None, as_json: bool, limit: int | None) -> None:
     seen = 0
-    async for item in follow(url, subject, since):  # type: ignore[arg-type]
+    async for item in follow(url, subject, since):
         print(render_line(item, as_json), flush=True)
         seen += 1
         if limit is not None and seen >= limit:

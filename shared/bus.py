@@ -16,7 +16,7 @@ import ssl
 import time
 import types
 import typing
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,22 +181,17 @@ class Runtime:
 
     async def run(self, url: str) -> None:
         """Start, serve until SIGTERM/SIGINT, then stop gracefully."""
-        await self.start(url)
-        await wait_for_signal()
+        with stop_signals() as stop:
+            await self.start(url)
+            await stop.wait()
         await self.stop()
 
     async def _connect(self, url: str) -> NatsClient:
-        deadline = time.monotonic() + self.settings.nats_connect_timeout_s
-        delay = 0.1
-        while True:
-            try:
-                return await nats.connect(**self._connect_options(url))
-            except (OSError, nats.errors.Error, asyncio.TimeoutError) as error:
-                if time.monotonic() + delay > deadline:
-                    raise BusError(f"cannot reach NATS at {url}: {error or type(error).__name__}") from None
-                log.warning("NATS not reachable yet, retrying", extra={"url": url, "retry_in_s": delay})
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        # With unlimited reconnects nats-py keeps retrying the first connection too; bound it here.
+        try:
+            return await asyncio.wait_for(nats.connect(**self._connect_options(url)), self.settings.nats_connect_timeout_s)
+        except (OSError, nats.errors.Error, asyncio.TimeoutError) as error:
+            raise BusError(f"cannot reach NATS at {url} within {self.settings.nats_connect_timeout_s:g}s: {type(error).__name__}") from None
 
     def _connect_options(self, url: str) -> dict[str, Any]:
         s = self.settings
@@ -274,7 +269,11 @@ class Runtime:
                 await asyncio.sleep(0.2)
                 continue
             for msg in batch:
-                await self._deliver(binding, msg)
+                if self._stopping.is_set():
+                    # Hand back what we will not get to, so another replica takes it at once.
+                    await self._settle(msg.nak(), binding, "returned")
+                else:
+                    await self._deliver(binding, msg)
 
     async def _deliver(self, binding: EventBinding, msg: Msg) -> None:
         deliveries = msg.metadata.num_delivered
@@ -422,14 +421,21 @@ async def provision_stream(js: JetStreamContext, settings: BusSettings) -> None:
         await js.update_stream(config)
 
 
-async def wait_for_signal() -> None:
-    """Block until SIGTERM or SIGINT."""
+@contextlib.contextmanager
+def stop_signals() -> Iterator[asyncio.Event]:
+    """An event set by SIGTERM or SIGINT while the block runs (install before announcing readiness)."""
     loop = asyncio.get_running_loop()
     received = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, received.set)
     try:
-        await received.wait()
+        yield received
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+
+
+async def wait_for_signal() -> None:
+    """Block until SIGTERM or SIGINT."""
+    with stop_signals() as received:
+        await received.wait()

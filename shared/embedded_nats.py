@@ -51,7 +51,8 @@ class EmbeddedNats:
 
     def start(self, timeout_s: float = 10.0) -> None:
         command = [str(server_binary()), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store_dir)]
-        self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # Own session: a terminal's Ctrl-C reaches us, and we stop the server after draining.
+        self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         self._wait_until_accepting(timeout_s)
         log.debug("embedded nats-server started", extra={"url": self.url, "pid": self._process.pid})
 

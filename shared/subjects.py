@@ -28,7 +28,7 @@ STREAM_SUBJECTS: tuple[str, ...] = (
 )
 ALL_EVENTS = f"{ROOT}.>"
 
-_TOKEN = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,251}[a-z0-9])?$")
+_TOKEN = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
 
 
 def encode_token(name: str) -> str:
