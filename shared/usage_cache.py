@@ -1,6 +1,6 @@
 """Reader for libvgpu.so's shared accounting file (CUDA_DEVICE_MEMORY_SHARED_CACHE):
 maps it read-only, validates it, and returns typed per-device and per-process usage.
-The byte layout is hami-core/src/shm_layout.h (format version 1)."""
+The byte layout is hami-core/src/shm_layout.h (format version 2)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from pydantic import BaseModel
 from kai_isolator.shared.errors import IsolatorError
 
 MAGIC = 0x55504756
-VERSION = 1
+VERSION = 2
 DEVICES = 16
 SLOTS = 1024
 NO_LIMIT = (1 << 64) - 1
 _HEADER = struct.Struct("<IIQIIQQ24x")  # 64 bytes
-_DEVICE = struct.Struct("<QQ96s16x")  # 128 bytes
-_SLOT = struct.Struct("<iIQ16Q")  # 144 bytes
+_DEVICE = struct.Struct("<QQQ8x96s")  # 128 bytes
+_SLOT = struct.Struct("<iIQ16Q48x")  # 192 bytes
 FILE_SIZE = _HEADER.size + DEVICES * _DEVICE.size + SLOTS * _SLOT.size
 _SEQ_OFFSET = 24
 
@@ -39,6 +39,7 @@ class DeviceUsage(BaseModel):
     uuid: str
     limit_bytes: int | None  # None: unlimited; 0: closed (the library refuses allocations)
     used_bytes: int
+    last_update_ns: int = 0  # wall clock of the last change to used_bytes (coarse, ~4 ms)
 
 
 class ProcessUsage(BaseModel):
@@ -47,8 +48,14 @@ class ProcessUsage(BaseModel):
 
 
 class UsageSnapshot(BaseModel):
+    """Device totals are authoritative. Reserve/release update them and the per-process
+    numbers with separate atomic writes, so while processes allocate the per-process sum
+    may differ from a total by operations in flight; a dead process's usage stays until a
+    process of the container reclaims it (at its next allocation that does not fit, usage
+    query or start)."""
+
     version: int
-    last_update_ns: int
+    last_update_ns: int  # latest of the header's and the devices' timestamps
     devices: list[DeviceUsage]
     processes: list[ProcessUsage]
 
@@ -63,15 +70,17 @@ def _decode(data: bytes) -> UsageSnapshot:
         raise UsageCacheError(f"inconsistent header: size={size} devices={ndev} slots={nslots}")
     devices = []
     for i in range(DEVICES):
-        limit, used, uuid = _DEVICE.unpack_from(data, _HEADER.size + i * _DEVICE.size)
+        limit, used, updated, uuid = _DEVICE.unpack_from(data, _HEADER.size + i * _DEVICE.size)
         devices.append(DeviceUsage(index=i, uuid=uuid.split(b"\0", 1)[0].decode(errors="replace"),
-                                   limit_bytes=None if limit == NO_LIMIT else limit, used_bytes=used))
+                                   limit_bytes=None if limit == NO_LIMIT else limit, used_bytes=used,
+                                   last_update_ns=updated))
     processes = []
     base = _HEADER.size + DEVICES * _DEVICE.size
     for s in range(SLOTS):
         pid, _reserved, _start, *used = _SLOT.unpack_from(data, base + s * _SLOT.size)
         if pid:
             processes.append(ProcessUsage(pid=pid, used_bytes={d: u for d, u in enumerate(used) if u}))
+    last_update = max([last_update] + [d.last_update_ns for d in devices])
     return UsageSnapshot(version=version, last_update_ns=last_update, devices=devices, processes=processes)
 
 

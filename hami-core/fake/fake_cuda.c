@@ -2,10 +2,15 @@
  * FAKE_CUDA_TOTAL_MIB MiB each, real bookkeeping of every allocation (so tests can
  * see what reached the driver), and cuGetProcAddress that selects entry points by
  * base name, requested version and stream flags as the real driver does. */
+#define _GNU_SOURCE
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -16,6 +21,7 @@
 #define EXPORT __attribute__((visibility("default")))
 #define MAX_DEVICES 16
 #define SHARDS 64
+#define SHARED_PROCS 4096
 
 /* Names cuda.h macro-renames or only declares for per-thread-stream builds. */
 CUresult fake_cuMemAlloc_v1(unsigned int *dptr, unsigned int bytesize) __asm__("cuMemAlloc") EXPORT;
@@ -46,6 +52,26 @@ struct shard {
 static struct device local_devices[MAX_DEVICES + 1]; /* the last one counts host VMM memory */
 static struct device *devices = local_devices;
 #define HOST_SLOT MAX_DEVICES
+
+/* Cross-process mode (FAKE_CUDA_STATE): what each live process holds, so the memory of a
+ * process that died is released, as the real driver does at process teardown. */
+struct shared_proc {
+    int pid;
+    int pad;
+    unsigned long long start;
+    unsigned long long used[MAX_DEVICES + 1];
+};
+
+struct shared_state {
+    struct device devices[MAX_DEVICES + 1]; /* used = sum over live processes */
+    struct shared_proc procs[SHARED_PROCS];
+};
+
+static struct shared_state *shared;
+static int shared_fd = -1;
+static struct shared_proc *me;
+static char shared_path[4096];
+static pthread_mutex_t shared_mutex = PTHREAD_MUTEX_INITIALIZER;
 static struct shard shards[SHARDS] = {[0 ... SHARDS - 1] = {.lock = PTHREAD_MUTEX_INITIALIZER}};
 static _Atomic unsigned long long bad_frees;
 static _Atomic uint64_t next_address = 0x7f0000000000ull;
@@ -64,18 +90,122 @@ static long env_long(const char *name, long fallback, long lo, long hi) {
     return text && (*end || end == text || v < lo || v > hi) ? fallback : v;
 }
 
-/* FAKE_CUDA_STATE=<file>: device counters live in a shared mapping, so the fake's
- * ground truth covers every process using that file (dead processes are not released). */
+static void forget_after_fork(void);
+
+/* FAKE_CUDA_STATE=<file>: device memory is shared by every process using that file. */
 static void map_shared_state(void) {
     const char *path = getenv("FAKE_CUDA_STATE");
-    if (!path || !*path) return;
+    if (!path || !*path || strlen(path) >= sizeof shared_path) return;
+    strcpy(shared_path, path);
     int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
     if (fd < 0) return;
-    if (ftruncate(fd, sizeof local_devices) == 0) {
-        void *p = mmap(NULL, sizeof local_devices, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        if (p != MAP_FAILED) devices = p;
+    struct stat st;
+    if (fstat(fd, &st) == 0 && (st.st_size == (off_t)sizeof *shared || ftruncate(fd, sizeof *shared) == 0)) {
+        void *p = mmap(NULL, sizeof *shared, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p != MAP_FAILED) {
+            shared = p;
+            devices = shared->devices;
+            shared_fd = fd;
+            pthread_atfork(NULL, NULL, forget_after_fork);
+            return;
+        }
     }
     close(fd);
+}
+
+/* OFD lock on the state file (dropped by the kernel if the holder dies) plus a mutex,
+ * because threads of one process share the open file description. */
+static void shared_lock(int type) {
+    struct flock fl = {.l_type = (short)type, .l_whence = SEEK_SET};
+    if (type == F_WRLCK) pthread_mutex_lock(&shared_mutex);
+    while (fcntl(shared_fd, F_OFD_SETLKW, &fl) == -1 && errno == EINTR) {
+    }
+    if (type == F_UNLCK) pthread_mutex_unlock(&shared_mutex);
+}
+
+static unsigned long long start_time_of(int pid, char *state) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    ssize_t n = fd >= 0 ? read(fd, buf, sizeof buf - 1) : -1;
+    if (fd >= 0) close(fd);
+    *state = '?';
+    if (n <= 0) return 0;
+    buf[n] = '\0';
+    char *p = strrchr(buf, ')');
+    if (!p || p[1] != ' ') return 0;
+    *state = p[2];
+    for (int field = 2; field < 22 && p; field++) p = strchr(p + 1, ' ');
+    return p ? strtoull(p + 1, NULL, 10) : 0;
+}
+
+static int alive(const struct shared_proc *proc) {
+    if (kill(proc->pid, 0) == -1 && errno == ESRCH) return 0;
+    char state;
+    unsigned long long start = start_time_of(proc->pid, &state);
+    return state != 'Z' && state != 'X' && (state == '?' || start == proc->start);
+}
+
+/* Under the lock: drop dead processes and recompute every device's used bytes. */
+static void reap(void) {
+    unsigned long long sums[MAX_DEVICES + 1] = {0};
+    for (int i = 0; i < SHARED_PROCS; i++) {
+        struct shared_proc *p = &shared->procs[i];
+        if (!p->pid) continue;
+        if (p != me && !alive(p)) {
+            memset(p, 0, sizeof *p);
+            continue;
+        }
+        for (int d = 0; d <= MAX_DEVICES; d++) sums[d] += p->used[d];
+    }
+    for (int d = 0; d <= MAX_DEVICES; d++) atomic_store(&shared->devices[d].used, sums[d]);
+}
+
+static struct shared_proc *claim_proc(void) {
+    for (int i = 0; i < SHARED_PROCS; i++) {
+        struct shared_proc *p = &shared->procs[i];
+        if (p->pid) continue;
+        char state;
+        memset(p, 0, sizeof *p);
+        p->pid = getpid();
+        p->start = start_time_of(p->pid, &state);
+        return p;
+    }
+    return NULL;
+}
+
+static CUresult shared_charge(struct device *d, int dev, uint64_t bytes) {
+    CUresult rc = CUDA_ERROR_OUT_OF_MEMORY;
+    shared_lock(F_WRLCK);
+    reap();
+    if (!me) me = claim_proc();
+    unsigned long long used = atomic_load(&d->used);
+    if (me && bytes <= device_total - used) {
+        me->used[dev] += bytes;
+        atomic_store(&d->used, used + bytes);
+        if (used + bytes > atomic_load(&d->peak)) atomic_store(&d->peak, used + bytes);
+        rc = CUDA_SUCCESS;
+    }
+    shared_lock(F_UNLCK);
+    return rc;
+}
+
+static void shared_uncharge(int dev, uint64_t bytes) {
+    shared_lock(F_WRLCK);
+    if (me && me->used[dev] >= bytes) {
+        me->used[dev] -= bytes;
+        atomic_fetch_sub(&shared->devices[dev].used, bytes);
+    }
+    shared_lock(F_UNLCK);
+}
+
+static unsigned long long used_now(int dev) {
+    if (!shared) return atomic_load(&devices[dev].used);
+    shared_lock(F_WRLCK);
+    reap();
+    unsigned long long used = atomic_load(&devices[dev].used);
+    shared_lock(F_UNLCK);
+    return used;
 }
 
 static void read_config(void) {
@@ -100,24 +230,51 @@ static int physical(CUdevice ordinal) { return ordinal >= 0 && ordinal < visible
 
 /* ---- handle bookkeeping ---- */
 
+/* A fork child holds no device memory and must take its own lock (the inherited open file
+ * description is the parent's). */
+static void forget_after_fork(void) {
+    for (int i = 0; i < SHARDS; i++) {
+        pthread_mutex_init(&shards[i].lock, NULL);
+        memset(shards[i].buckets, 0, sizeof shards[i].buckets);
+    }
+    pthread_mutex_init(&shared_mutex, NULL);
+    me = NULL;
+    int fd = shared ? open(shared_path, O_RDWR | O_CLOEXEC) : -1;
+    if (fd >= 0) {
+        close(shared_fd);
+        shared_fd = fd;
+    }
+}
+
 static struct shard *shard_of(uint64_t key, size_t *bucket) {
     uint64_t h = key * 0x9E3779B97F4A7C15ull;
     *bucket = (h >> 20) & 255;
     return &shards[h >> 58];
 }
 
+static void uncharge(int dev, uint64_t bytes) {
+    if (shared)
+        shared_uncharge(dev, bytes);
+    else
+        atomic_fetch_sub(&devices[dev].used, bytes);
+}
+
 static CUresult charge(int dev, uint64_t bytes, uint64_t key) {
     struct device *d = &devices[dev];
-    unsigned long long cur = atomic_load(&d->used);
-    do {
-        if (bytes > device_total - cur) return CUDA_ERROR_OUT_OF_MEMORY;
-    } while (!atomic_compare_exchange_weak(&d->used, &cur, cur + bytes));
-    unsigned long long peak = atomic_load(&d->peak);
-    while (cur + bytes > peak && !atomic_compare_exchange_weak(&d->peak, &peak, cur + bytes)) {
+    if (shared) {
+        if (shared_charge(d, dev, bytes) != CUDA_SUCCESS) return CUDA_ERROR_OUT_OF_MEMORY;
+    } else {
+        unsigned long long cur = atomic_load(&d->used);
+        do {
+            if (bytes > device_total - cur) return CUDA_ERROR_OUT_OF_MEMORY;
+        } while (!atomic_compare_exchange_weak(&d->used, &cur, cur + bytes));
+        unsigned long long peak = atomic_load(&d->peak);
+        while (cur + bytes > peak && !atomic_compare_exchange_weak(&d->peak, &peak, cur + bytes)) {
+        }
     }
     struct handle *h = malloc(sizeof *h);
     if (!h) {
-        atomic_fetch_sub(&d->used, bytes);
+        uncharge(dev, bytes);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     size_t b;
@@ -144,7 +301,7 @@ static CUresult release(uint64_t key) {
         atomic_fetch_add(&bad_frees, 1);
         return CUDA_ERROR_INVALID_VALUE;
     }
-    atomic_fetch_sub(&devices[h->dev].used, h->bytes);
+    uncharge(h->dev, h->bytes);
     atomic_fetch_add(&devices[h->dev].frees, 1);
     free(h);
     return CUDA_SUCCESS;
@@ -260,7 +417,7 @@ EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes) {
     if (rc != CUDA_SUCCESS) return rc;
     if (!free_bytes || !total_bytes) return CUDA_ERROR_INVALID_VALUE;
     *total_bytes = device_total;
-    *free_bytes = device_total - atomic_load(&devices[dev].used);
+    *free_bytes = device_total - used_now(dev);
     return CUDA_SUCCESS;
 }
 
@@ -475,7 +632,7 @@ int fakeCudaStats(int physical_index, fake_cuda_stats *out) {
     struct device *d = &devices[physical_index];
     *out = (fake_cuda_stats){
         .total = device_total,
-        .used = atomic_load(&d->used),
+        .used = used_now(physical_index),
         .peak = atomic_load(&d->peak),
         .allocs = atomic_load(&d->allocs),
         .frees = atomic_load(&d->frees),

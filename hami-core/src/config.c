@@ -107,6 +107,13 @@ void vgpu_config_init(void) { pthread_once(&config_once, config_init_once); }
 
 uint64_t vgpu_config_limit(int idx) { return limits[idx]; }
 
+int vgpu_config_any_limit(void) {
+    vgpu_config_init();
+    for (int i = 0; i < VGPU_MAX_DEVICES; i++)
+        if (limits[i] != VGPU_UNLIMITED) return 1;
+    return 0;
+}
+
 int vgpu_config_index(CUdevice ordinal) {
     if (ordinal < 0) return -1;
     if (visible_count < 0) return ordinal < VGPU_MAX_DEVICES ? ordinal : -1;

@@ -1,11 +1,12 @@
 /* One limit per container: all processes that name the same CUDA_DEVICE_MEMORY_SHARED_CACHE
- * account in one mapped file. Writers serialise on an OFD fcntl lock, which the kernel drops
- * when a holder dies, so SIGKILL can never leave it stuck; a seqlock lets readers (NVML,
- * the node agent) read without the lock. Dead processes' usage is reclaimed on demand. */
+ * account in one mapped file. Reserve and release are lock-free atomics on the mapping; an
+ * OFD fcntl lock (dropped by the kernel when its holder dies) serialises only the rare
+ * structural work: creating the file, taking a process slot, and reclaiming dead processes. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,10 +19,16 @@
 #include "vgpu.h"
 
 #define DEFAULT_PATH "/tmp/cudevshr.cache"
+/* How long a rebuild waits for live processes to finish the operation they are in. A
+ * process stopped mid-operation (SIGSTOP, debugger) makes the rebuild give up, not hang. */
+#define DRAIN_TIMEOUT_NS 500000000ull
+
+enum { FIT, NO_FIT, FROZEN };
 
 static struct vgpu_shm_file *shm;
+static struct vgpu_shm_slot *my_slot; /* NULL until this process's first charge */
+static int my_pid;
 static int shm_fd = -1;
-static int my_slot = -1;
 static int reopen_needed;
 static int shm_state = VGPU_SHM_OFF;
 static pthread_mutex_t shm_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -39,33 +46,56 @@ static int file_lock(int fd, short type) {
     return 0;
 }
 
-/* ---- seqlock writer side (always under the file lock) ---- */
-
-static uint64_t now_ns(void) {
+static uint64_t clock_ns(clockid_t clock) {
     struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
+    clock_gettime(clock, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static void begin_write(void) {
-    __atomic_add_fetch(&shm->header.seq, 1, __ATOMIC_ACQ_REL);
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+/* ---- lock-free fast path ----
+ * A process announces an operation in its slot's `inflight` before touching any counter
+ * and checks `frozen` after; a rebuilder sets `frozen` before reading every `inflight`.
+ * Both sides use sequentially consistent accesses, so either the operation backs off to
+ * the locked path or the rebuilder waits for it: a rebuild never sees half an operation
+ * of a live process. A process that dies mid-operation leaves `inflight` raised, which is
+ * why its slot is rebuilt from the others rather than subtracted. */
+
+static int enter(struct vgpu_shm_slot *slot) {
+    __atomic_fetch_add(&slot->inflight, 1, __ATOMIC_SEQ_CST);
+    if (!__atomic_load_n(&shm->header.frozen, __ATOMIC_SEQ_CST)) return 1;
+    __atomic_fetch_sub(&slot->inflight, 1, __ATOMIC_RELEASE);
+    return 0;
 }
 
-static void end_write(void) {
-    shm->header.last_update_ns = now_ns();
-    __atomic_add_fetch(&shm->header.seq, 1, __ATOMIC_RELEASE);
+static void leave(struct vgpu_shm_slot *slot, struct vgpu_shm_device *dev) {
+    __atomic_store_n(&dev->last_update_ns, clock_ns(CLOCK_REALTIME_COARSE), __ATOMIC_RELAXED);
+    __atomic_fetch_sub(&slot->inflight, 1, __ATOMIC_RELEASE);
 }
 
-/* A writer killed mid-update leaves seq odd; device totals are rebuilt from the slots. */
-static void repair_if_torn(void) {
-    if ((__atomic_load_n(&shm->header.seq, __ATOMIC_ACQUIRE) & 1) == 0) return;
-    for (int d = 0; d < VGPU_SHM_DEVICES; d++) {
-        uint64_t sum = 0;
-        for (int s = 0; s < VGPU_SHM_SLOTS; s++) sum += shm->slots[s].used[d];
-        shm->devices[d].used = sum;
-    }
-    end_write();
+static int try_reserve(struct vgpu_shm_slot *slot, int idx, uint64_t bytes) {
+    struct vgpu_shm_device *dev = &shm->devices[idx];
+    if (!enter(slot)) return FROZEN;
+    uint64_t limit = __atomic_load_n(&dev->limit, __ATOMIC_RELAXED);
+    uint64_t cur = __atomic_load_n(&dev->used, __ATOMIC_RELAXED);
+    do {
+        if (bytes > limit || cur > limit - bytes) {
+            __atomic_fetch_sub(&slot->inflight, 1, __ATOMIC_RELEASE);
+            return NO_FIT;
+        }
+    } while (!__atomic_compare_exchange_n(&dev->used, &cur, cur + bytes, 1, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED));
+    __atomic_fetch_add(&slot->used[idx], bytes, __ATOMIC_RELAXED);
+    leave(slot, dev);
+    return FIT;
+}
+
+/* Only what this process charged is released (tracking guarantees bytes <= its usage). */
+static int try_release(struct vgpu_shm_slot *slot, int idx, uint64_t bytes) {
+    struct vgpu_shm_device *dev = &shm->devices[idx];
+    if (!enter(slot)) return FROZEN;
+    __atomic_fetch_sub(&slot->used[idx], bytes, __ATOMIC_RELAXED);
+    __atomic_fetch_sub(&dev->used, bytes, __ATOMIC_ACQ_REL);
+    leave(slot, dev);
+    return FIT;
 }
 
 /* ---- process liveness ---- */
@@ -97,49 +127,108 @@ static int process_alive(int pid, uint64_t start) {
     return state != 'Z' && state != 'X' && (start == 0 || now_start == start);
 }
 
-static void clear_slot(int s) {
-    struct vgpu_shm_slot *slot = &shm->slots[s];
-    for (int d = 0; d < VGPU_SHM_DEVICES; d++) {
-        uint64_t u = slot->used[d];
-        shm->devices[d].used -= u < shm->devices[d].used ? u : shm->devices[d].used;
-    }
-    memset(slot, 0, sizeof *slot);
+/* A slot with our pid that is not ours belongs to the image we exec'd from: it is gone. */
+static int slot_dead(const struct vgpu_shm_slot *slot) {
+    int pid = __atomic_load_n(&slot->pid, __ATOMIC_ACQUIRE);
+    if (pid == 0) return 0;
+    if (pid == my_pid) return slot != my_slot;
+    return !process_alive(pid, slot->start_time);
 }
 
-/* The driver frees a dead process's memory; the accounting follows. */
-static int reclaim_dead(void) {
-    int reclaimed = 0, self = getpid();
+/* ---- rebuild (always under the file lock) ---- */
+
+static void begin_write(void) {
+    __atomic_add_fetch(&shm->header.seq, 1, __ATOMIC_SEQ_CST);
+}
+
+static void end_write(void) {
+    shm->header.last_update_ns = clock_ns(CLOCK_REALTIME);
+    __atomic_add_fetch(&shm->header.seq, 1, __ATOMIC_RELEASE);
+}
+
+/* Waits until no live process is inside an operation; 0 when drained, -1 on timeout.
+ * A process found dead while waiting joins `dead`. */
+static int drain(unsigned char *dead) {
+    uint64_t deadline = clock_ns(CLOCK_MONOTONIC) + DRAIN_TIMEOUT_NS;
     for (int s = 0; s < VGPU_SHM_SLOTS; s++) {
-        int pid = shm->slots[s].pid;
-        if (pid == 0 || pid == self || process_alive(pid, shm->slots[s].start_time)) continue;
-        clear_slot(s);
-        reclaimed++;
+        struct vgpu_shm_slot *slot = &shm->slots[s];
+        for (unsigned spins = 0; !dead[s] && __atomic_load_n(&slot->inflight, __ATOMIC_SEQ_CST); spins++) {
+            if (spins < 64) {
+                sched_yield();
+            } else if (slot_dead(slot)) {
+                dead[s] = 1;
+            } else if (clock_ns(CLOCK_MONOTONIC) > deadline) {
+                return -1;
+            } else {
+                nanosleep(&(struct timespec){.tv_nsec = 50000}, NULL);
+            }
+        }
     }
-    return reclaimed;
+    return 0;
+}
+
+/* The driver frees a dead process's memory; the accounting follows. Every device total
+ * is recomputed from the surviving slots while fast paths are held off, so the result is
+ * exact whatever moment the dead died at; only then are dead slots cleared, so each step
+ * can be redone. A rebuilder that dies leaves `frozen` set and the next lock holder
+ * rebuilds again; one that times out leaves totals that still count the dead (safe). */
+static int rebuild(void) {
+    static unsigned char dead[VGPU_SHM_SLOTS]; /* under the file lock and shm_lock */
+    int count = 0;
+    for (int s = 0; s < VGPU_SHM_SLOTS; s++) count += dead[s] = (unsigned char)slot_dead(&shm->slots[s]);
+    if (count == 0 && !__atomic_load_n(&shm->header.frozen, __ATOMIC_ACQUIRE)) return 0;
+    __atomic_store_n(&shm->header.frozen, 1, __ATOMIC_SEQ_CST);
+    begin_write();
+    int drained = drain(dead) == 0;
+    if (drained) {
+        uint64_t totals[VGPU_SHM_DEVICES] = {0};
+        count = 0;
+        for (int s = 0; s < VGPU_SHM_SLOTS; s++) {
+            count += dead[s];
+            if (dead[s] || shm->slots[s].pid == 0) continue;
+            for (int d = 0; d < VGPU_SHM_DEVICES; d++)
+                totals[d] += __atomic_load_n(&shm->slots[s].used[d], __ATOMIC_ACQUIRE);
+        }
+        for (int d = 0; d < VGPU_SHM_DEVICES; d++)
+            __atomic_store_n(&shm->devices[d].used, totals[d], __ATOMIC_RELAXED);
+        for (int s = 0; s < VGPU_SHM_SLOTS; s++)
+            if (dead[s]) memset(&shm->slots[s], 0, sizeof shm->slots[s]);
+    } else {
+        vgpu_log(VGPU_LOG_WARN, "a process sharing %s is stuck inside an update; dead processes are reclaimed later",
+                 shm_path());
+    }
+    end_write();
+    __atomic_store_n(&shm->header.frozen, 0, __ATOMIC_SEQ_CST);
+    return drained ? count : 0;
 }
 
 /* ---- slots ---- */
 
-static int find_slot(int pid) {
+static struct vgpu_shm_slot *free_slot(void) {
     for (int s = 0; s < VGPU_SHM_SLOTS; s++)
-        if (shm->slots[s].pid == pid) return s;
-    return -1;
+        if (shm->slots[s].pid == 0) return &shm->slots[s];
+    return NULL;
 }
 
-/* A slot already carrying our pid belongs to the image we exec'd from: its memory is gone. */
-static int register_slot(void) {
-    int pid = getpid();
-    int s = find_slot(pid);
-    if (s >= 0) clear_slot(s);
-    if (s < 0) s = find_slot(0);
-    if (s < 0 && reclaim_dead() > 0) s = find_slot(0);
-    if (s < 0) return -1;
+static struct vgpu_shm_slot *register_slot(void) {
+    my_pid = getpid();
+    for (int s = 0; s < VGPU_SHM_SLOTS; s++)
+        if (shm->slots[s].pid == my_pid) { /* left by the image we exec'd from */
+            rebuild();
+            break;
+        }
+    struct vgpu_shm_slot *slot = free_slot();
+    if (!slot && rebuild() > 0) slot = free_slot();
+    if (!slot) return NULL;
     uint64_t start = 0;
     char state;
-    proc_stat(pid, &start, &state);
-    shm->slots[s].start_time = start;
-    shm->slots[s].pid = pid;
-    return s;
+    proc_stat(my_pid, &start, &state);
+    begin_write();
+    memset(slot, 0, sizeof *slot);
+    slot->start_time = start;
+    __atomic_store_n(&slot->pid, my_pid, __ATOMIC_RELEASE);
+    end_write();
+    return slot;
 }
 
 /* ---- attach ---- */
@@ -158,7 +247,7 @@ static void initialise_file(void) {
     shm->header.file_size = sizeof(struct vgpu_shm_file);
     shm->header.device_slots = VGPU_SHM_DEVICES;
     shm->header.process_slots = VGPU_SHM_SLOTS;
-    shm->header.last_update_ns = now_ns();
+    shm->header.last_update_ns = clock_ns(CLOCK_REALTIME);
     __atomic_store_n(&shm->header.magic, VGPU_SHM_MAGIC, __ATOMIC_RELEASE);
 }
 
@@ -172,7 +261,7 @@ static void warn_if_limits_differ(void) {
 }
 
 static int fail(int fd, const char *what) {
-    vgpu_log(VGPU_LOG_ERROR, "shared accounting file %s %s; allocations with a limit will fail", shm_path(), what);
+    vgpu_log(VGPU_LOG_ERROR, "shared accounting file %s %s; every allocation will fail", shm_path(), what);
     if (fd >= 0) close(fd);
     return VGPU_SHM_BROKEN;
 }
@@ -180,6 +269,7 @@ static int fail(int fd, const char *what) {
 static int map_file(int fd) {
     struct stat st;
     if (fstat(fd, &st) != 0) return fail(fd, "cannot be read");
+    if (!S_ISREG(st.st_mode)) return fail(fd, "is not a regular file");
     int fresh = st.st_size == 0;
     if (fresh && (ftruncate(fd, sizeof(struct vgpu_shm_file)) != 0 || fchmod(fd, 0666) != 0))
         return fail(fd, "cannot be sized");
@@ -194,7 +284,6 @@ static int map_file(int fd) {
         return fail(fd, "has a bad magic number or version (corrupt or foreign)");
     }
     if (!fresh) warn_if_limits_differ();
-    repair_if_torn();
     return VGPU_SHM_ON;
 }
 
@@ -202,14 +291,25 @@ static void after_fork_in_child(void) {
     vgpu_track_after_fork();
     pthread_mutex_init(&shm_lock, NULL);
     reopen_needed = 1; /* the inherited fd shares the parent's lock */
-    my_slot = -1;
+    my_slot = NULL;
+    my_pid = 0;
 }
 
+/* A file that cannot be opened is treated like a corrupt one when this process has a
+ * limit to enforce: otherwise making the path unusable would escape the shared limit. */
 static void attach_once(void) {
     vgpu_config_init();
     int fd = open(shm_path(), O_RDWR | O_CREAT | O_CLOEXEC, 0666);
     if (fd < 0) {
-        vgpu_log(VGPU_LOG_WARN, "cannot open %s (%s); limits apply per process only", shm_path(), strerror(errno));
+        int err = errno;
+        if (vgpu_config_any_limit()) {
+            vgpu_log(VGPU_LOG_ERROR, "cannot open shared accounting file %s (%s); every allocation will fail",
+                     shm_path(), strerror(err));
+            shm_state = VGPU_SHM_BROKEN;
+        } else {
+            vgpu_log(VGPU_LOG_INFO, "cannot open %s (%s); no limit is set, so usage is not shared", shm_path(),
+                     strerror(err));
+        }
         return;
     }
     if (file_lock(fd, F_WRLCK) != 0) {
@@ -219,6 +319,10 @@ static void attach_once(void) {
     shm_state = map_file(fd);
     if (shm_state != VGPU_SHM_ON) return;
     shm_fd = fd;
+    pthread_mutex_lock(&shm_lock);
+    my_pid = getpid();
+    rebuild(); /* finishes the work of a rebuilder that died, if any */
+    pthread_mutex_unlock(&shm_lock);
     file_lock(fd, F_UNLCK);
     pthread_atfork(NULL, NULL, after_fork_in_child);
 }
@@ -228,7 +332,7 @@ int vgpu_shm_state(void) {
     return shm_state;
 }
 
-/* ---- locked operations ---- */
+/* ---- locked (slow) path ---- */
 
 static int lock_shared(void) {
     pthread_mutex_lock(&shm_lock);
@@ -244,7 +348,8 @@ static int lock_shared(void) {
         pthread_mutex_unlock(&shm_lock);
         return -1;
     }
-    repair_if_torn();
+    if (!my_pid) my_pid = getpid();
+    if (__atomic_load_n(&shm->header.frozen, __ATOMIC_ACQUIRE)) rebuild(); /* its rebuilder died */
     return 0;
 }
 
@@ -253,52 +358,42 @@ static void unlock_shared(void) {
     pthread_mutex_unlock(&shm_lock);
 }
 
-static int fits(int idx, uint64_t bytes) {
-    uint64_t limit = shm->devices[idx].limit, used = shm->devices[idx].used;
-    return bytes <= limit && used <= limit - bytes;
+static int reserve_locked(int idx, uint64_t bytes) {
+    if (!my_slot && !(my_slot = register_slot())) {
+        vgpu_log(VGPU_LOG_ERROR, "no free process slot in %s", shm_path());
+        return 0;
+    }
+    int r = try_reserve(my_slot, idx, bytes);
+    if (r != FIT && rebuild() > 0) r = try_reserve(my_slot, idx, bytes);
+    return r == FIT;
 }
 
 int vgpu_shm_reserve(int idx, uint64_t bytes) {
+    struct vgpu_shm_slot *slot = __atomic_load_n(&my_slot, __ATOMIC_ACQUIRE);
+    if (slot && try_reserve(slot, idx, bytes) == FIT) return 1;
     if (lock_shared() != 0) return 0;
-    begin_write();
-    if (my_slot < 0 || shm->slots[my_slot].pid != getpid()) my_slot = register_slot();
-    if (my_slot >= 0 && !fits(idx, bytes)) reclaim_dead();
-    int ok = my_slot >= 0 && fits(idx, bytes);
-    if (ok) {
-        shm->slots[my_slot].used[idx] += bytes;
-        shm->devices[idx].used += bytes;
-    }
-    end_write();
+    int ok = reserve_locked(idx, bytes);
     unlock_shared();
-    if (my_slot < 0) vgpu_log(VGPU_LOG_ERROR, "no free process slot in %s", shm_path());
     return ok;
 }
 
 void vgpu_shm_release(int idx, uint64_t bytes) {
-    if (lock_shared() != 0) return;
-    begin_write();
-    if (my_slot >= 0 && shm->slots[my_slot].pid == getpid()) {
-        uint64_t *mine = &shm->slots[my_slot].used[idx];
-        uint64_t n = bytes < *mine ? bytes : *mine;
-        *mine -= n;
-        shm->devices[idx].used -= n < shm->devices[idx].used ? n : shm->devices[idx].used;
-    }
-    end_write();
+    struct vgpu_shm_slot *slot = __atomic_load_n(&my_slot, __ATOMIC_ACQUIRE);
+    if (!slot || try_release(slot, idx, bytes) == FIT || lock_shared() != 0) return;
+    if (my_slot) try_release(my_slot, idx, bytes); /* not frozen while we hold the lock */
     unlock_shared();
 }
 
 /* Readers that report usage first drop dead processes, so freed memory shows as free. */
 uint64_t vgpu_shm_used(int idx, int refresh) {
     if (refresh && lock_shared() == 0) {
-        begin_write();
-        reclaim_dead();
-        end_write();
+        rebuild();
         unlock_shared();
     }
     return __atomic_load_n(&shm->devices[idx].used, __ATOMIC_ACQUIRE);
 }
 
-uint64_t vgpu_shm_limit(int idx) { return shm->devices[idx].limit; }
+uint64_t vgpu_shm_limit(int idx) { return __atomic_load_n(&shm->devices[idx].limit, __ATOMIC_RELAXED); }
 
 void vgpu_shm_set_uuid(int idx, const char *uuid) {
     if (strncmp(shm->devices[idx].uuid, uuid, VGPU_SHM_UUID_LEN - 1) == 0 || lock_shared() != 0) return;

@@ -30,6 +30,8 @@ int vgpu_parse_size(const char *text, uint64_t *bytes);
 /* Reads the limit env once; returns the limit of accounting index idx. */
 void vgpu_config_init(void);
 uint64_t vgpu_config_limit(int idx);
+/* 1 when the environment limits (or closes) any device. */
+int vgpu_config_any_limit(void);
 /* Maps a CUDA ordinal to the accounting (NVML) index, or -1 when out of range. */
 int vgpu_config_index(CUdevice ordinal);
 

@@ -15,9 +15,9 @@ def build_file(magic: int = uc.MAGIC, version: int = uc.VERSION, seq: int = 2) -
     data = bytearray(uc.FILE_SIZE)
     struct.pack_into("<IIQIIQQ", data, 0, magic, version, uc.FILE_SIZE, uc.DEVICES, uc.SLOTS, seq, 123456789)
     dev = uc._HEADER.size
-    struct.pack_into("<QQ96s", data, dev, 4147 << 20, 300, b"GPU-abc")
-    struct.pack_into("<QQ96s", data, dev + 128, uc.NO_LIMIT, 0, b"")
-    slot = uc._HEADER.size + uc.DEVICES * 128 + 5 * 144
+    struct.pack_into("<QQQ8x96s", data, dev, 4147 << 20, 300, 123456000, b"GPU-abc")
+    struct.pack_into("<QQQ8x96s", data, dev + 128, uc.NO_LIMIT, 0, 123456999, b"")
+    slot = uc._HEADER.size + uc.DEVICES * 128 + 5 * 192
     struct.pack_into("<iIQ", data, slot, 4242, 0, 99)
     struct.pack_into("<Q", data, slot + 16, 300)
     return data
@@ -31,8 +31,9 @@ def write(tmp_path: Path, data: bytes) -> Path:
 
 def test_reads_devices_and_processes(tmp_path: Path) -> None:
     snap = uc.read_usage(write(tmp_path, build_file()))
-    assert snap.version == 1 and snap.last_update_ns == 123456789
-    assert snap.devices[0] == uc.DeviceUsage(index=0, uuid="GPU-abc", limit_bytes=4147 << 20, used_bytes=300)
+    assert snap.version == 2 and snap.last_update_ns == 123456999  # the newest of header and devices
+    assert snap.devices[0] == uc.DeviceUsage(index=0, uuid="GPU-abc", limit_bytes=4147 << 20, used_bytes=300,
+                                             last_update_ns=123456000)
     assert snap.devices[1].limit_bytes is None
     assert snap.processes == [uc.ProcessUsage(pid=4242, used_bytes={0: 300})]
 
@@ -41,7 +42,7 @@ def test_reads_devices_and_processes(tmp_path: Path) -> None:
     ("data", "message"),
     [
         (build_file(magic=0x19920718), "bad magic"),
-        (build_file(version=2), "version 2"),
+        (build_file(version=1), "version 1"),
         (build_file()[:1000], "truncated"),
         (build_file() + b"\0", "size"),
     ],
