@@ -86,6 +86,7 @@ class DeviceUsage(BaseModel):
     uuid: str = ""
     limit_bytes: int = Field(ge=0)
     used_bytes: int = Field(ge=0)
+    unlimited: bool = Field(False, description="no limit is set (limit_bytes is then 0 and means nothing)")
 
 
 class ProcessUsage(BaseModel):
@@ -193,6 +194,9 @@ class NodeStatus(Payload):
     container_vgpu_mount: str = "/usr/local/vgpu"
     gpu_count: int = Field(0, ge=0)
     message: str = ""
+    self_check: Literal["passed", "failed", "not-run"] = Field("not-run", description="outcome of the last self-check")
+    self_check_at: datetime | None = Field(None, description="when the last self-check ran")
+    problems: list[str] = Field(default_factory=list)
 
     def subject(self) -> str:
         return subjects.node_status(self.node_name)

@@ -1,0 +1,29 @@
+"""Settings of the node agent (env `KAI_ISOLATOR_*`, flags override)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from kai_isolator.shared.settings import _Settings
+
+from .layout import DEFAULT_MOUNT
+
+NODE_BUCKET = "isolator_nodes"
+"""KV bucket: node name -> the agent's latest NodeStatus (the installer reads it too)."""
+
+
+class NodeAgentSettings(_Settings):
+    node_name: str | None = Field(None, description="this node's Kubernetes name (else env NODE_NAME)")
+    host_root: Path = Field(Path("/host-root"), description="the host's / as mounted into the agent")
+    container_vgpu_mount: str = Field(DEFAULT_MOUNT, description="library directory, same path on the host and in containers")
+    proc_root: Path = Field(Path("/proc"), description="the host's /proc (the agent runs with hostPID)")
+    library: list[Path] = Field(default_factory=list, description="library builds this agent carries; the first is installed when none is")
+    install_on_start: bool = Field(True, description="install the first carried library when the node has none")
+    status_interval_s: float = Field(30.0, gt=0, description="self-check, GC and status report period")
+    usage_interval_s: float = Field(15.0, gt=0, description="usage.cache scan and UsageReport period")
+    gc_grace_s: float = Field(60.0, ge=0, description="keep a retired version at least this long, for processes starting at the switch")
+    inspect_timeout_s: float = Field(3.0, gt=0)
+    self_check_timeout_s: float = Field(10.0, gt=0)
+    self_check_command: list[str] | None = Field(None, description="probe run with LD_PRELOAD=libvgpu.so; default: check /proc/self/maps")
