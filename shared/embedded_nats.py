@@ -11,6 +11,7 @@ import subprocess
 import sysconfig
 import tempfile
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -43,6 +44,7 @@ class EmbeddedNats:
     def __init__(self, store_dir: Path, port: int | None = None) -> None:
         self.store_dir = store_dir
         self.port = port or free_port()
+        self.monitor_port = free_port()
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -50,19 +52,25 @@ class EmbeddedNats:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 10.0) -> None:
-        command = [str(server_binary()), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store_dir)]
+        command = [
+            str(server_binary()), "-a", "127.0.0.1", "-p", str(self.port), "-m", str(self.monitor_port),
+            "-js", "-sd", str(self.store_dir),
+        ]
         # Own session: a terminal's Ctrl-C reaches us, and we stop the server after draining.
         self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        self._wait_until_accepting(timeout_s)
+        self._wait_until_healthy(timeout_s)
         log.debug("embedded nats-server started", extra={"url": self.url, "pid": self._process.pid})
 
-    def _wait_until_accepting(self, timeout_s: float) -> None:
+    def _wait_until_healthy(self, timeout_s: float) -> None:
+        """Accepting clients is not enough: wait until JetStream itself reports healthy."""
         assert self._process is not None
         deadline = time.monotonic() + timeout_s
+        health = f"http://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true"
         while True:
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
+                with urllib.request.urlopen(health, timeout=0.5) as response:
+                    if response.status == 200:
+                        return
             except OSError:
                 if self._process.poll() is not None or time.monotonic() > deadline:
                     self.kill()
