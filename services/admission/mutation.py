@@ -1,0 +1,281 @@
+"""Pure pod -> JSON patch logic: which pods and which container get libvgpu.so, and the RFC 6902
+operations that bring the pod to the injected shape (only what is missing or wrong)."""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+from typing import Any
+
+from kai_isolator.shared.errors import IsolatorError
+
+GPU_FRACTION_ANNOTATION = "gpu-fraction"
+GPU_MEMORY_ANNOTATION = "gpu-memory"
+CONTAINER_NAME_ANNOTATION = "gpu-fraction-container-name"
+INJECT_ANNOTATION = "kai-resource-isolator.io/inject"
+
+VGPU_VOLUME = "kai-resource-isolator-vgpu"
+STATE_VOLUME = "kai-resource-isolator-state"
+PRELOAD_PATH = "/etc/ld.so.preload"
+PRELOAD_SUBPATH = "ld.so.preload"
+# Where a container sees its own state directory; kept outside the read-only library dir.
+STATE_MOUNT_PATH = "/run/kai-isolator"
+USAGE_CACHE_PATH = f"{STATE_MOUNT_PATH}/usage.cache"
+
+Json = dict[str, Any]
+Op = dict[str, Any]
+
+
+class PodUnreadable(IsolatorError):
+    """`request.object` claims to be a Pod but lacks the shape we must read."""
+
+
+class NoTargetContainer(IsolatorError):
+    """The fraction container cannot be resolved (no containers, or the named one is absent)."""
+
+
+@dataclass(frozen=True)
+class InjectionConfig:
+    container_vgpu_mount: str = "/usr/local/vgpu"
+    state_dir: str = "/var/lib/kai-isolator/containers"
+    allow_pod_opt_out: bool = True
+
+
+@dataclass(frozen=True)
+class Target:
+    """The fraction container: which list it is in, its index there, and the container itself."""
+
+    field: str
+    index: int
+    container: Json
+
+    @property
+    def name(self) -> str:
+        return str(self.container["name"])
+
+    @property
+    def is_init(self) -> bool:
+        return self.field == "initContainers"
+
+    @property
+    def pointer(self) -> str:
+        return f"/spec/{self.field}/{self.index}"
+
+
+@dataclass(frozen=True)
+class Desired:
+    """What the injected pod carries for one target: volumes, the target's mounts and env."""
+
+    volumes: tuple[Json, ...]
+    mounts: tuple[Json, ...]
+    env: tuple[Json, ...]
+
+    def volume(self, name: str) -> Json | None:
+        return next((v for v in self.volumes if v["name"] == name), None)
+
+    def env_var(self, name: str) -> Json | None:
+        return next((e for e in self.env if e["name"] == name), None)
+
+
+# --- reading the pod -------------------------------------------------------------------
+
+
+def pointer_token(token: str | int) -> str:
+    """One RFC 6901 reference token ('~' and '/' escaped)."""
+    return str(token).replace("~", "~0").replace("/", "~1")
+
+
+def clean_path(value: Any, where: str) -> str:
+    """A mount path as the runtime will resolve it ('/etc/./ld.so.preload' is '/etc/ld.so.preload')."""
+    if not isinstance(value, str) or not value:
+        raise PodUnreadable(f"{where}.mountPath must be a non-empty string")
+    cleaned = posixpath.normpath("/" + value)
+    return "/" + cleaned.lstrip("/")
+
+
+def is_within(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def annotations_of(pod: Any) -> dict[str, str]:
+    if not isinstance(pod, dict):
+        raise PodUnreadable("request.object is not a JSON object")
+    metadata = pod.get("metadata")
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise PodUnreadable("metadata is not an object")
+    annotations = metadata.get("annotations")
+    if annotations is None:
+        return {}
+    if not isinstance(annotations, dict) or not all(isinstance(v, str) for v in annotations.values()):
+        raise PodUnreadable("metadata.annotations must map strings to strings")
+    return annotations
+
+
+def is_gpu_sharing(annotations: dict[str, str]) -> bool:
+    return GPU_FRACTION_ANNOTATION in annotations or GPU_MEMORY_ANNOTATION in annotations
+
+
+def asks_opt_out(annotations: dict[str, str]) -> bool:
+    return annotations.get(INJECT_ANNOTATION, "").lower() == "false"
+
+
+def _list_of_objects(value: Any, where: str) -> list[Json]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise PodUnreadable(f"{where} must be a list of objects")
+    return value
+
+
+def spec_of(pod: Json) -> Json:
+    spec = pod.get("spec")
+    if not isinstance(spec, dict):
+        raise PodUnreadable("spec is missing or not an object")
+    return spec
+
+
+def containers_of(spec: Json, field: str) -> list[Json]:
+    """A container list, each entry checked for what we read from it."""
+    containers = _list_of_objects(spec.get(field), f"spec.{field}")
+    for i, container in enumerate(containers):
+        where = f"spec.{field}[{i}]"
+        if not isinstance(container.get("name"), str) or not container["name"]:
+            raise PodUnreadable(f"{where}.name must be a non-empty string")
+        for j, mount in enumerate(_list_of_objects(container.get("volumeMounts"), f"{where}.volumeMounts")):
+            clean_path(mount.get("mountPath"), f"{where}.volumeMounts[{j}]")
+            if not isinstance(mount.get("name"), str):
+                raise PodUnreadable(f"{where}.volumeMounts[{j}].name must be a string")
+        for j, env in enumerate(_list_of_objects(container.get("env"), f"{where}.env")):
+            if not isinstance(env.get("name"), str):
+                raise PodUnreadable(f"{where}.env[{j}].name must be a string")
+        if container.get("securityContext") is not None and not isinstance(container["securityContext"], dict):
+            raise PodUnreadable(f"{where}.securityContext must be an object")
+    return containers
+
+
+def volumes_of(spec: Json) -> list[Json]:
+    volumes = _list_of_objects(spec.get("volumes"), "spec.volumes")
+    for i, volume in enumerate(volumes):
+        if not isinstance(volume.get("name"), str):
+            raise PodUnreadable(f"spec.volumes[{i}].name must be a string")
+    return volumes
+
+
+def find_target(pod: Json, annotations: dict[str, str]) -> Target:
+    """The fraction container, resolved as KAI-Scheduler does: a named one (init containers
+    first), else containers[0]."""
+    spec = spec_of(pod)
+    inits = containers_of(spec, "initContainers")
+    containers = containers_of(spec, "containers")
+    if CONTAINER_NAME_ANNOTATION in annotations:
+        wanted = annotations[CONTAINER_NAME_ANNOTATION]
+        for field, members in (("initContainers", inits), ("containers", containers)):
+            for index, container in enumerate(members):
+                if container["name"] == wanted:
+                    return Target(field, index, container)
+        raise NoTargetContainer(f"container with name {wanted!r} not found for fraction request ({CONTAINER_NAME_ANNOTATION})")
+    if not containers:
+        raise NoTargetContainer("pod has no containers")
+    return Target("containers", 0, containers[0])
+
+
+# --- the injected shape ----------------------------------------------------------------
+
+
+def desired_for(target: Target, config: InjectionConfig) -> Desired:
+    lib = config.container_vgpu_mount
+    volumes: list[Json] = [{"name": VGPU_VOLUME, "hostPath": {"path": lib, "type": "Directory"}}]
+    mounts: list[Json] = [
+        {"name": VGPU_VOLUME, "mountPath": lib, "readOnly": True},
+        {"name": VGPU_VOLUME, "mountPath": PRELOAD_PATH, "subPath": PRELOAD_SUBPATH, "readOnly": True},
+    ]
+    if target.is_init:
+        return Desired(tuple(volumes), tuple(mounts), ())
+    volumes.append({"name": STATE_VOLUME, "hostPath": {"path": config.state_dir, "type": "DirectoryOrCreate"}})
+    mounts.append({"name": STATE_VOLUME, "mountPath": STATE_MOUNT_PATH, "subPathExpr": f"$(POD_UID)_{target.name}"})
+    env = (
+        {"name": "POD_UID", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.uid"}}},
+        {"name": "CONTAINER_NAME", "value": target.name},
+        {"name": "CONTAINER_VGPU_MOUNT", "value": lib},
+        {"name": "CUDA_DEVICE_MEMORY_SHARED_CACHE", "value": USAGE_CACHE_PATH},
+    )
+    return Desired(tuple(volumes), tuple(mounts), env)
+
+
+def canonical(value: Any) -> Any:
+    """Drop fields at their zero value, so `readOnly: false` or `subPath: ""` equals absent."""
+    if isinstance(value, dict):
+        return {k: canonical(v) for k, v in value.items() if v not in (None, "", False, [], {})}
+    return value
+
+
+def same(existing: Json, wanted: Json) -> bool:
+    return canonical(existing) == canonical(wanted)
+
+
+# --- the patch -------------------------------------------------------------------------
+
+
+def _sync_list(path: str, current: list[Json] | None, wanted: tuple[Json, ...], key: Any) -> list[Op]:
+    """Ops that make every wanted item present exactly as wanted, matching items by `key`.
+
+    A missing list is created whole; a missing item is appended; an item with the same key
+    but other content is replaced in place (a duplicate key would be rejected by the API).
+    """
+    if not wanted:
+        return []
+    if current is None:
+        return [{"op": "add", "path": path, "value": [dict(w) for w in wanted]}]
+    ops: list[Op] = []
+    for item in wanted:
+        matches = [i for i, existing in enumerate(current) if key(existing) == key(item)]
+        if not matches:
+            ops.append({"op": "add", "path": f"{path}/-", "value": dict(item)})
+        ops.extend({"op": "replace", "path": f"{path}/{i}", "value": dict(item)} for i in matches if not same(current[i], item))
+    return ops
+
+
+def _mount_key(mount: Json) -> str:
+    return clean_path(mount.get("mountPath"), "volumeMount")
+
+
+def _name_key(item: Json) -> Any:
+    return item.get("name")
+
+
+def all_containers(spec: Json) -> list[tuple[str, int, Json]]:
+    return [(field, i, c) for field in ("initContainers", "containers") for i, c in enumerate(containers_of(spec, field))]
+
+
+def patch_ops(pod: Json, target: Target, config: InjectionConfig) -> list[Op]:
+    """Volumes, then the target's mounts, then its env (upstream's order), then read-only
+    fixes for other mounts of our volumes. Empty when the pod is already injected."""
+    desired = desired_for(target, config)
+    spec = spec_of(pod)
+    volumes = spec.get("volumes")
+    mounts = target.container.get("volumeMounts")
+    env = target.container.get("env")
+    ops = _sync_list("/spec/volumes", volumes_of(spec) if volumes is not None else None, desired.volumes, _name_key)
+    ops += _sync_list(f"{target.pointer}/volumeMounts", mounts, desired.mounts, _mount_key)
+    ops += _sync_list(f"{target.pointer}/env", env, desired.env, _name_key)
+    ops += _read_only_fixes(spec, target, desired)
+    return ops
+
+
+def _read_only_fixes(spec: Json, target: Target, desired: Desired) -> list[Op]:
+    """Any other mount of a volume we define becomes read-only: the library dir is the node's,
+    and the state dir holds every container's accounting."""
+    guarded = {v["name"] for v in desired.volumes}
+    own_paths = {m["mountPath"] for m in desired.mounts}
+    ops: list[Op] = []
+    for field, index, container in all_containers(spec):
+        is_target = field == target.field and index == target.index
+        for j, mount in enumerate(container.get("volumeMounts") or ()):
+            if mount.get("name") not in guarded or mount.get("readOnly") is True:
+                continue
+            if is_target and _mount_key(mount) in own_paths:
+                continue  # replaced by the target's own mount above
+            ops.append({"op": "add", "path": f"/spec/{field}/{index}/volumeMounts/{j}/readOnly", "value": True})
+    return ops

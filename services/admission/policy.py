@@ -1,0 +1,102 @@
+"""Tenant-escape policy: what in a GPU-sharing pod tries to get around libvgpu.so, and what to do about it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .mutation import (
+    PRELOAD_PATH, STATE_MOUNT_PATH, Desired, InjectionConfig, Json, Target, all_containers, clean_path,
+    is_within, same, spec_of, volumes_of,
+)
+from .settings import PolicyMode
+
+# Env that turns the library off or loads code ahead of it.
+ESCAPE_ENV = ("CUDA_DISABLE_CONTROL", "LD_PRELOAD", "LD_AUDIT")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    allowed: bool
+    warnings: tuple[str, ...] = ()
+    message: str = ""
+
+
+def findings(pod: Json, target: Target, desired: Desired, config: InjectionConfig) -> list[str]:
+    """Every escape attempt in the pod as it was submitted, one line each."""
+    spec = spec_of(pod)
+    found = _target_findings(target, desired, config)
+    found += _volume_findings(volumes_of(spec), desired, config)
+    found += _foreign_mount_findings(spec, target, desired)
+    return found
+
+
+def _target_findings(target: Target, desired: Desired, config: InjectionConfig) -> list[str]:
+    name, container = target.name, target.container
+    found: list[str] = []
+    for env in container.get("env") or ():
+        var = env["name"]
+        if var in ESCAPE_ENV:
+            found.append(f"container {name} sets {var}")
+        wanted = desired.env_var(var)
+        if wanted is not None and not same(env, wanted):
+            found.append(f"container {name} sets {var} itself (the webhook owns it)")
+    if (container.get("securityContext") or {}).get("privileged") is True:
+        found.append(f"container {name} is privileged and would see every GPU")
+    own = {m["mountPath"]: m for m in desired.mounts}
+    for mount in container.get("volumeMounts") or ():
+        path = clean_path(mount.get("mountPath"), "volumeMount")
+        if path in own and same(mount, own[path]):
+            continue
+        if path == PRELOAD_PATH:
+            found.append(f"container {name} mounts its own {PRELOAD_PATH} (volume {mount.get('name')})")
+        elif is_within(path, config.container_vgpu_mount):
+            found.append(f"container {name} mounts volume {mount.get('name')} over the library directory at {path}")
+        elif not target.is_init and is_within(path, STATE_MOUNT_PATH):
+            found.append(f"container {name} mounts volume {mount.get('name')} over its state directory at {path}")
+    return found
+
+
+def _volume_findings(volumes: list[Json], desired: Desired, config: InjectionConfig) -> list[str]:
+    found: list[str] = []
+    guarded_dirs = (config.container_vgpu_mount, config.state_dir)
+    for volume in volumes:
+        name = volume["name"]
+        wanted = desired.volume(name)
+        if wanted is not None:
+            if not same(volume, wanted):
+                found.append(f"volume {name} is defined by the pod, not by the webhook")
+            continue
+        host_path = (volume.get("hostPath") or {}).get("path") if isinstance(volume.get("hostPath"), dict) else None
+        if isinstance(host_path, str) and host_path.startswith("/"):
+            path = clean_path(host_path, f"volume {name}.hostPath")
+            if any(is_within(path, d) or is_within(d, path) for d in guarded_dirs):
+                found.append(f"volume {name} exposes the node path {path} by hostPath")
+    return found
+
+
+def _foreign_mount_findings(spec: Json, target: Target, desired: Desired) -> list[str]:
+    guarded = {v["name"] for v in desired.volumes}
+    own = {m["mountPath"] for m in desired.mounts}
+    found: list[str] = []
+    for field, index, container in all_containers(spec):
+        is_target = field == target.field and index == target.index
+        for mount in container.get("volumeMounts") or ():
+            volume = mount.get("name")
+            if volume not in guarded:
+                continue
+            path = clean_path(mount.get("mountPath"), "volumeMount")
+            if is_target and path in own:
+                continue
+            if mount.get("readOnly") is not True:
+                found.append(f"container {container['name']} mounts {volume} writable at {path}")
+            elif volume != desired.volumes[0]["name"]:
+                found.append(f"container {container['name']} mounts {volume} at {path}; only the target's own state directory may be")
+    return found
+
+
+def judge(found: list[str], mode: PolicyMode) -> Verdict:
+    if not found or mode == "off":
+        return Verdict(True)
+    if mode == "warn":
+        return Verdict(True, tuple(f"kai-resource-isolator: {f}" for f in found))
+    return Verdict(False, message="kai-resource-isolator denies this GPU-sharing pod: " + "; ".join(found))

@@ -1,0 +1,106 @@
+"""AdmissionReview parsing and every response the webhook sends, built in one place."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from kai_isolator.shared.errors import IsolatorError
+
+API_VERSIONS = ("admission.k8s.io/v1", "admission.k8s.io/v1beta1")
+DEFAULT_API_VERSION = API_VERSIONS[0]
+KIND = "AdmissionReview"
+
+
+class BadReview(IsolatorError):
+    """The body is not an AdmissionReview we can answer; the caller gets HTTP 400 and this text."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionRequest:
+    """The parts of `request` the webhook uses."""
+
+    uid: str
+    api_version: str
+    kind: str
+    group: str
+    operation: str
+    namespace: str
+    object: Any
+    dry_run: bool
+
+
+def parse(raw: bytes) -> AdmissionRequest:
+    """Read an AdmissionReview body; BadReview says in one line what is wrong."""
+    try:
+        review = orjson.loads(raw)
+    except orjson.JSONDecodeError as error:
+        raise BadReview(f"body is not JSON: {error}") from None
+    if not isinstance(review, dict):
+        raise BadReview("body is not a JSON object")
+    api_version = review.get("apiVersion") or DEFAULT_API_VERSION
+    if api_version not in API_VERSIONS:
+        raise BadReview(f"unsupported apiVersion {api_version!r}; expected {DEFAULT_API_VERSION}")
+    if review.get("kind", KIND) != KIND:
+        raise BadReview(f"kind must be {KIND}, got {review.get('kind')!r}")
+    request = review.get("request")
+    if request is None:
+        raise BadReview("missing request")
+    if not isinstance(request, dict):
+        raise BadReview("request is not a JSON object")
+    uid = request.get("uid")
+    if not isinstance(uid, str) or not uid:
+        raise BadReview("request.uid must be a non-empty string")
+    kind = request.get("kind")
+    kind_name, group = "", ""
+    if isinstance(kind, dict):
+        kind_name, group = str(kind.get("kind") or ""), str(kind.get("group") or "")
+    obj = request.get("object")
+    if not kind_name and isinstance(obj, dict):
+        kind_name = str(obj.get("kind") or "")
+    namespace = request.get("namespace")
+    if not isinstance(namespace, str) or not namespace:
+        metadata = obj.get("metadata") if isinstance(obj, dict) else None
+        namespace = metadata.get("namespace") if isinstance(metadata, dict) else None
+    return AdmissionRequest(
+        uid=uid,
+        api_version=api_version,
+        kind=kind_name,
+        group=group,
+        operation=str(request.get("operation") or "CREATE"),
+        namespace=namespace if isinstance(namespace, str) else "",
+        object=obj,
+        dry_run=request.get("dryRun") is True,
+    )
+
+
+def _review(api_version: str, response: dict[str, Any]) -> bytes:
+    return orjson.dumps({"apiVersion": api_version, "kind": KIND, "response": response})
+
+
+def allowed(request: AdmissionRequest, patch: Sequence[dict[str, Any]] = (), warnings: Sequence[str] = ()) -> bytes:
+    """Allow, with a JSONPatch when there is one (no patch fields otherwise)."""
+    response: dict[str, Any] = {"uid": request.uid, "allowed": True}
+    if patch:
+        response["patchType"] = "JSONPatch"
+        response["patch"] = base64.b64encode(orjson.dumps(patch)).decode()
+    if warnings:
+        response["warnings"] = list(warnings)
+    return _review(request.api_version, response)
+
+
+def denied(request: AdmissionRequest, code: int, message: str, warnings: Sequence[str] = ()) -> bytes:
+    """Refuse the object, saying why (the HTTP status stays 200, as the API server expects)."""
+    response: dict[str, Any] = {"uid": request.uid, "allowed": False, "status": {"code": code, "message": message}}
+    if warnings:
+        response["warnings"] = list(warnings)
+    return _review(request.api_version, response)
+
+
+def errored(uid: str, message: str, api_version: str = DEFAULT_API_VERSION) -> bytes:
+    """A failure of the webhook itself: refused with code 500, still echoing the request UID."""
+    return _review(api_version, {"uid": uid, "allowed": False, "status": {"code": 500, "message": message}})

@@ -1,0 +1,216 @@
+"""Upstream's V4 webhook cases (main_test.go), adapted to the read-only library dir and the
+per-container state directory, plus target resolution and opt-out."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import orjson
+import pytest
+
+from kai_isolator.services.admission.mutation import (
+    STATE_VOLUME, USAGE_CACHE_PATH, VGPU_VOLUME, InjectionConfig, NoTargetContainer, find_target, is_gpu_sharing,
+    patch_ops,
+)
+from kai_isolator.services.admission.webhook import Webhook
+
+LIB_MOUNT = {"name": VGPU_VOLUME, "mountPath": "/usr/local/vgpu", "readOnly": True}
+PRELOAD_MOUNT = {"name": VGPU_VOLUME, "mountPath": "/etc/ld.so.preload", "subPath": "ld.so.preload", "readOnly": True}
+VGPU_VOL = {"name": VGPU_VOLUME, "hostPath": {"path": "/usr/local/vgpu", "type": "Directory"}}
+STATE_VOL = {"name": STATE_VOLUME, "hostPath": {"path": "/var/lib/kai-isolator/containers", "type": "DirectoryOrCreate"}}
+
+
+def state_mount(container: str) -> dict[str, object]:
+    return {"name": STATE_VOLUME, "mountPath": "/run/kai-isolator", "subPathExpr": f"$(POD_UID)_{container}"}
+
+
+def env_for(container: str) -> list[dict[str, object]]:
+    return [
+        {"name": "POD_UID", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.uid"}}},
+        {"name": "CONTAINER_NAME", "value": container},
+        {"name": "CONTAINER_VGPU_MOUNT", "value": "/usr/local/vgpu"},
+        {"name": "CUDA_DEVICE_MEMORY_SHARED_CACHE", "value": USAGE_CACHE_PATH},
+    ]
+
+
+FRACTION = {"gpu-fraction": "0.5"}
+
+
+@pytest.mark.parametrize(("annotations", "expected"), [
+    ({}, False), ({"gpu-fraction": "0.5"}, True), ({"gpu-memory": "4096"}, True),
+    ({"gpu-fraction": "0.5", "gpu-memory": "4096"}, True), ({"foo": "bar"}, False),
+])
+def test_pod_needs_injection(annotations: dict[str, str], expected: bool) -> None:
+    assert is_gpu_sharing(annotations) is expected
+
+
+@pytest.mark.parametrize("annotations", [None, {}, {"foo": "bar"}])
+def test_pod_without_gpu_annotations_is_allowed_without_patch(kit: SimpleNamespace, webhook: Webhook, annotations: dict[str, str] | None) -> None:
+    answer = webhook.handle(kit.review_of(kit.make_pod(annotations)))
+    assert kit.response_of(answer) == {"uid": "uid-1", "allowed": True}
+    assert answer.record.decision == "skipped" and "not a GPU-sharing pod" in answer.record.reason
+
+
+def test_single_container_gets_three_array_ops(kit: SimpleNamespace, mutate) -> None:
+    ops = mutate(kit.make_pod(FRACTION))
+    assert [op["path"] for op in ops] == ["/spec/volumes", "/spec/containers/0/volumeMounts", "/spec/containers/0/env"]
+    assert all(op["op"] == "add" for op in ops)
+    assert ops[0]["value"] == [VGPU_VOL, STATE_VOL]
+    assert ops[1]["value"] == [LIB_MOUNT, PRELOAD_MOUNT, state_mount("main")]
+    assert ops[2]["value"] == env_for("main")
+
+
+def test_multi_container_only_the_named_fraction_container(kit: SimpleNamespace, mutate) -> None:
+    pod = kit.make_pod({**FRACTION, "gpu-fraction-container-name": "gpu-container"}, ["sidecar-a", "gpu-container", "sidecar-b"])
+    ops = mutate(pod)
+    assert len(kit.ops_for(ops, "/spec/containers/1/volumeMounts")[0]["value"]) == 3
+    assert len(kit.ops_for(ops, "/spec/containers/1/env")) == 1
+    assert not [op for op in ops if op["path"].startswith(("/spec/containers/0", "/spec/containers/2"))]
+
+
+def test_without_name_annotation_the_first_container_is_the_target(kit: SimpleNamespace, mutate) -> None:
+    ops = mutate(kit.make_pod(FRACTION, ["main", "sidecar"]))
+    assert len(kit.ops_for(ops, "/spec/containers/0/volumeMounts")[0]["value"]) == 3
+    assert not [op for op in ops if op["path"].startswith("/spec/containers/1")]
+
+
+def test_init_containers_are_not_injected_by_default(kit: SimpleNamespace, mutate) -> None:
+    ops = mutate(kit.make_pod(FRACTION, ["main"], inits=["setup"]))
+    assert not [op for op in ops if op["path"].startswith("/spec/initContainers")]
+    assert len(kit.ops_for(ops, "/spec/containers/0/volumeMounts")[0]["value"]) == 3
+
+
+def test_annotation_naming_an_init_container_gets_library_and_preload_only(kit: SimpleNamespace, mutate) -> None:
+    pod = kit.make_pod({**FRACTION, "gpu-fraction-container-name": "gpu-init"}, ["main"], inits=["gpu-init"])
+    ops = mutate(pod)
+    assert kit.ops_for(ops, "/spec/volumes")[0]["value"] == [VGPU_VOL]
+    assert kit.ops_for(ops, "/spec/initContainers/0/volumeMounts")[0]["value"] == [LIB_MOUNT, PRELOAD_MOUNT]
+    assert not kit.ops_for(ops, "/spec/initContainers/0/env")
+    assert not [op for op in ops if op["path"].startswith("/spec/containers")]
+    text = orjson.dumps(ops).decode()
+    assert STATE_VOLUME not in text and "POD_UID" not in text
+
+
+def test_init_containers_are_searched_before_containers(kit: SimpleNamespace) -> None:
+    pod = kit.make_pod({"gpu-fraction-container-name": "same"}, ["same"], inits=["same"])
+    target = find_target(pod, pod["metadata"]["annotations"])
+    assert (target.field, target.index) == ("initContainers", 0)
+
+
+def test_annotation_naming_an_unknown_container_is_denied_with_the_name(kit: SimpleNamespace, webhook: Webhook) -> None:
+    pod = kit.make_pod({**FRACTION, "gpu-fraction-container-name": "no-such-container"})
+    with pytest.raises(NoTargetContainer, match="no-such-container"):
+        find_target(pod, pod["metadata"]["annotations"])
+    answer = webhook.handle(kit.review_of(pod))
+    response = kit.response_of(answer)
+    assert response["allowed"] is False and "'no-such-container' not found" in response["status"]["message"]
+    assert answer.record.decision == "denied"
+
+
+def test_pod_with_no_containers_is_denied(kit: SimpleNamespace, webhook: Webhook) -> None:
+    response = kit.response_of(webhook.handle(kit.review_of(kit.make_pod(FRACTION, containers=[]))))
+    assert response["allowed"] is False and response["status"]["message"] == "pod has no containers"
+
+
+def test_volume_already_present_only_the_missing_one_is_appended(kit: SimpleNamespace, mutate) -> None:
+    ops = mutate(kit.make_pod(FRACTION, volumes=[dict(VGPU_VOL)]))
+    assert not kit.ops_for(ops, "/spec/volumes")
+    assert [op["value"] for op in kit.ops_for(ops, "/spec/volumes/-")] == [STATE_VOL]
+    assert len(kit.ops_for(ops, "/spec/containers/0/volumeMounts")[0]["value"]) == 3
+
+
+def fully_injected(kit: SimpleNamespace) -> dict[str, object]:
+    pod = kit.make_pod(FRACTION, volumes=[dict(VGPU_VOL), dict(STATE_VOL)])
+    pod["spec"]["containers"][0].update(volumeMounts=[LIB_MOUNT, PRELOAD_MOUNT, state_mount("main")], env=env_for("main"))
+    return pod
+
+
+def test_pod_that_has_everything_gets_no_patch(kit: SimpleNamespace, webhook: Webhook) -> None:
+    answer = webhook.handle(kit.review_of(fully_injected(kit)))
+    assert kit.response_of(answer) == {"uid": "uid-1", "allowed": True}
+    assert answer.record.decision == "skipped" and answer.record.reason == "already injected"
+
+
+def test_partially_injected_pod_gets_only_the_missing_mounts_preload_first(kit: SimpleNamespace, mutate) -> None:
+    pod = fully_injected(kit)
+    pod["spec"]["containers"][0]["volumeMounts"] = [LIB_MOUNT]
+    ops = mutate(pod)
+    assert [op["path"] for op in ops] == ["/spec/containers/0/volumeMounts/-"] * 2
+    assert ops[0]["value"] == PRELOAD_MOUNT and ops[1]["value"] == state_mount("main")
+
+
+def test_partially_injected_env_gets_only_missing_vars(kit: SimpleNamespace, mutate) -> None:
+    pod = fully_injected(kit)
+    pod["spec"]["containers"][0]["env"] = env_for("main")[:2] + [{"name": "OTHER", "value": "1"}]
+    ops = mutate(pod)
+    assert [(op["path"], op["value"]["name"]) for op in ops] == [
+        ("/spec/containers/0/env/-", "CONTAINER_VGPU_MOUNT"), ("/spec/containers/0/env/-", "CUDA_DEVICE_MEMORY_SHARED_CACHE"),
+    ]
+
+
+def test_gpu_memory_annotation_injects_and_never_sets_the_limit(kit: SimpleNamespace, mutate) -> None:
+    text = orjson.dumps(mutate(kit.make_pod({"gpu-memory": "4096"}))).decode()
+    assert "POD_UID" in text and STATE_VOLUME in text and USAGE_CACHE_PATH in text
+    assert "CUDA_DEVICE_MEMORY_LIMIT" not in text
+
+
+def test_mount_values_library_read_only_and_state_per_container(kit: SimpleNamespace, mutate) -> None:
+    ops = mutate(kit.make_pod(FRACTION))
+    volumes, mounts, env = (op["value"] for op in ops)
+    assert volumes[0]["hostPath"] == {"path": "/usr/local/vgpu", "type": "Directory"}
+    assert volumes[1]["hostPath"] == {"path": "/var/lib/kai-isolator/containers", "type": "DirectoryOrCreate"}
+    assert mounts[0]["readOnly"] is True and mounts[1]["readOnly"] is True and mounts[1]["subPath"] == "ld.so.preload"
+    assert mounts[2]["subPathExpr"] == "$(POD_UID)_main" and "readOnly" not in mounts[2]
+    assert env[0] == {"name": "POD_UID", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.uid"}}}
+    assert env[1] == {"name": "CONTAINER_NAME", "value": "main"}
+    assert env[2] == {"name": "CONTAINER_VGPU_MOUNT", "value": "/usr/local/vgpu"}
+    assert env[3] == {"name": "CUDA_DEVICE_MEMORY_SHARED_CACHE", "value": "/run/kai-isolator/usage.cache"}
+
+
+def test_named_regular_container_gets_its_own_name_and_state_dir(kit: SimpleNamespace, mutate) -> None:
+    ops = mutate(kit.make_pod({**FRACTION, "gpu-fraction-container-name": "gpu-workload"}, ["sidecar", "gpu-workload"]))
+    assert '"value":"gpu-workload"' in orjson.dumps(ops).decode()
+    assert kit.ops_for(ops, "/spec/containers/1/env") and not kit.ops_for(ops, "/spec/containers/0/env")
+    assert state_mount("gpu-workload") in kit.ops_for(ops, "/spec/containers/1/volumeMounts")[0]["value"]
+
+
+def test_configured_directories_are_used(kit: SimpleNamespace) -> None:
+    config = InjectionConfig(container_vgpu_mount="/opt/vgpu", state_dir="/srv/state")
+    pod = kit.make_pod(FRACTION)
+    ops = patch_ops(pod, find_target(pod, FRACTION), config)
+    assert ops[0]["value"][0]["hostPath"]["path"] == "/opt/vgpu" and ops[0]["value"][1]["hostPath"]["path"] == "/srv/state"
+    assert ops[1]["value"][0]["mountPath"] == "/opt/vgpu"
+    assert {"name": "CONTAINER_VGPU_MOUNT", "value": "/opt/vgpu"} in ops[2]["value"]
+
+
+@pytest.mark.parametrize("value", ["false", "FALSE", "False"])
+def test_opt_out_annotation_is_case_insensitive(kit: SimpleNamespace, webhook: Webhook, value: str) -> None:
+    answer = webhook.handle(kit.review_of(kit.make_pod({**FRACTION, "kai-resource-isolator.io/inject": value})))
+    assert kit.response_of(answer) == {"uid": "uid-1", "allowed": True}
+    assert "opted out" in answer.record.reason
+
+
+@pytest.mark.parametrize("value", ["true", "no", ""])
+def test_other_opt_out_values_are_ignored(kit: SimpleNamespace, mutate, value: str) -> None:
+    assert mutate(kit.make_pod({**FRACTION, "kai-resource-isolator.io/inject": value}))
+
+
+def test_opt_out_is_ignored_with_a_warning_when_forbidden(kit: SimpleNamespace) -> None:
+    webhook = Webhook(InjectionConfig(allow_pod_opt_out=False), "enforce")
+    answer = webhook.handle(kit.review_of(kit.make_pod({**FRACTION, "kai-resource-isolator.io/inject": "false"})))
+    response = kit.response_of(answer)
+    assert response["allowed"] is True and response["patchType"] == "JSONPatch"
+    assert any("opt-out is disabled" in w for w in response["warnings"])
+
+
+@pytest.mark.parametrize("operation", ["UPDATE", "DELETE", "CONNECT"])
+def test_only_create_is_mutated(kit: SimpleNamespace, webhook: Webhook, operation: str) -> None:
+    answer = webhook.handle(kit.review_of(kit.make_pod(FRACTION), operation=operation))
+    assert kit.response_of(answer) == {"uid": "uid-1", "allowed": True}
+    assert operation in answer.record.reason
+
+
+def test_other_kinds_are_allowed_untouched(kit: SimpleNamespace, webhook: Webhook) -> None:
+    answer = webhook.handle(kit.review_of({"kind": "ConfigMap", "metadata": {"annotations": FRACTION}}, kind="ConfigMap"))
+    assert kit.response_of(answer) == {"uid": "uid-1", "allowed": True}
+    assert answer.record.reason.startswith("not a Pod")

@@ -1,0 +1,124 @@
+"""Tenant-escape policy: each finding, the three modes, and the corrections that keep the
+injection intact whatever the tenant wrote."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import jsonpatch
+import pytest
+
+from kai_isolator.services.admission.mutation import STATE_VOLUME, VGPU_VOLUME, InjectionConfig
+from kai_isolator.services.admission.webhook import Webhook
+
+FRACTION = {"gpu-fraction": "0.5"}
+
+
+def with_target(kit: SimpleNamespace, **fields: Any) -> dict[str, Any]:
+    pod = kit.make_pod(FRACTION, ["main", "sidecar"])
+    pod["spec"]["containers"][0].update(fields)
+    return pod
+
+
+def escape_pods(kit: SimpleNamespace) -> dict[str, tuple[dict[str, Any], str]]:
+    """name -> (pod, a phrase its finding contains)."""
+    own_preload = with_target(kit, volumeMounts=[{"name": "cm", "mountPath": "/etc/ld.so.preload", "subPath": "x"}])
+    own_preload["spec"]["volumes"] = [{"name": "cm", "configMap": {"name": "empty"}}]
+    sidecar_rw = kit.make_pod(FRACTION, ["main", "sidecar"])
+    sidecar_rw["spec"]["containers"][1]["volumeMounts"] = [{"name": VGPU_VOLUME, "mountPath": "/lib-rw"}]
+    fake_volume = kit.make_pod(FRACTION, volumes=[{"name": VGPU_VOLUME, "emptyDir": {}}])
+    host_path = kit.make_pod(FRACTION, volumes=[{"name": "node", "hostPath": {"path": "/usr/local"}}])
+    return {
+        "own preload": (own_preload, "mounts its own /etc/ld.so.preload"),
+        "dotted preload": (with_target(kit, volumeMounts=[{"name": "x", "mountPath": "/etc/./ld.so.preload"}]), "its own /etc/ld.so.preload"),
+        "over library": (with_target(kit, volumeMounts=[{"name": "x", "mountPath": "/usr/local/vgpu/libvgpu.so"}]), "over the library directory"),
+        "disable control": (with_target(kit, env=[{"name": "CUDA_DISABLE_CONTROL", "value": "true"}]), "sets CUDA_DISABLE_CONTROL"),
+        "ld preload": (with_target(kit, env=[{"name": "LD_PRELOAD", "value": "/x.so"}]), "sets LD_PRELOAD"),
+        "hand-set cache": (with_target(kit, env=[{"name": "CUDA_DEVICE_MEMORY_SHARED_CACHE", "value": "/tmp/c"}]), "sets CUDA_DEVICE_MEMORY_SHARED_CACHE itself"),
+        "forged pod uid": (with_target(kit, env=[{"name": "POD_UID", "value": "someone-else"}]), "sets POD_UID itself"),
+        "privileged": (with_target(kit, securityContext={"privileged": True}), "is privileged"),
+        "sidecar writes library": (sidecar_rw, f"sidecar mounts {VGPU_VOLUME} writable"),
+        "pod-defined volume": (fake_volume, f"volume {VGPU_VOLUME} is defined by the pod"),
+        "hostPath into the node dir": (host_path, "exposes the node path /usr/local"),
+    }
+
+
+CASES = ["own preload", "dotted preload", "over library", "disable control", "ld preload", "hand-set cache",
+         "forged pod uid", "privileged", "sidecar writes library", "pod-defined volume", "hostPath into the node dir"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_enforce_denies_naming_the_finding(kit: SimpleNamespace, case: str) -> None:
+    pod, phrase = escape_pods(kit)[case]
+    answer = Webhook(InjectionConfig(), "enforce").handle(kit.review_of(pod))
+    response = kit.response_of(answer)
+    assert response["allowed"] is False and response["status"]["code"] == 403
+    assert phrase in response["status"]["message"]
+    assert answer.record.decision == "denied" and any(phrase in f for f in answer.record.findings)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_warn_allows_with_the_finding_as_a_warning(kit: SimpleNamespace, case: str) -> None:
+    pod, phrase = escape_pods(kit)[case]
+    answer = Webhook(InjectionConfig(), "warn").handle(kit.review_of(pod))
+    response = kit.response_of(answer)
+    assert response["allowed"] is True and response["patchType"] == "JSONPatch"
+    assert any(phrase in w for w in response["warnings"])
+    assert answer.record.decision == "warned"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_off_ignores_findings_but_still_injects(kit: SimpleNamespace, case: str) -> None:
+    pod, _ = escape_pods(kit)[case]
+    answer = Webhook(InjectionConfig(), "off").handle(kit.review_of(pod))
+    response = kit.response_of(answer)
+    assert response["allowed"] is True and "warnings" not in response and response["patchType"] == "JSONPatch"
+
+
+def test_clean_gpu_pod_has_no_findings_in_enforce(kit: SimpleNamespace) -> None:
+    answer = Webhook(InjectionConfig(), "enforce").handle(kit.review_of(kit.make_pod(FRACTION, ["main", "sidecar"])))
+    assert kit.response_of(answer)["allowed"] is True and answer.record.decision == "injected"
+
+
+def test_escape_env_in_a_sidecar_is_not_a_finding(kit: SimpleNamespace) -> None:
+    pod = kit.make_pod(FRACTION, ["main", "sidecar"])
+    pod["spec"]["containers"][1]["env"] = [{"name": "LD_PRELOAD", "value": "/x.so"}]
+    assert kit.response_of(Webhook(InjectionConfig(), "enforce").handle(kit.review_of(pod)))["allowed"] is True
+
+
+def patched(kit: SimpleNamespace, pod: dict[str, Any]) -> dict[str, Any]:
+    answer = Webhook(InjectionConfig(), "off").handle(kit.review_of(pod))
+    return jsonpatch.apply_patch(pod, kit.patch_of(answer))
+
+
+def test_tenant_preload_mount_is_replaced_by_ours(kit: SimpleNamespace) -> None:
+    pod = patched(kit, escape_pods(kit)["dotted preload"][0])
+    preload = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["mountPath"] in ("/etc/./ld.so.preload", "/etc/ld.so.preload")]
+    assert preload == [{"name": VGPU_VOLUME, "mountPath": "/etc/ld.so.preload", "subPath": "ld.so.preload", "readOnly": True}]
+
+
+def test_pod_defined_volume_is_replaced_by_the_node_library(kit: SimpleNamespace) -> None:
+    pod = patched(kit, escape_pods(kit)["pod-defined volume"][0])
+    assert pod["spec"]["volumes"][0] == {"name": VGPU_VOLUME, "hostPath": {"path": "/usr/local/vgpu", "type": "Directory"}}
+
+
+def test_forged_pod_uid_is_replaced_by_the_downward_api(kit: SimpleNamespace) -> None:
+    pod = patched(kit, escape_pods(kit)["forged pod uid"][0])
+    uids = [e for e in pod["spec"]["containers"][0]["env"] if e["name"] == "POD_UID"]
+    assert uids == [{"name": "POD_UID", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.uid"}}}]
+
+
+def test_other_mounts_of_our_volumes_become_read_only(kit: SimpleNamespace) -> None:
+    pod = kit.make_pod(FRACTION, ["main", "sidecar"])
+    pod["spec"]["containers"][1]["volumeMounts"] = [{"name": VGPU_VOLUME, "mountPath": "/lib-rw"}, {"name": STATE_VOLUME, "mountPath": "/all-state"}]
+    result = patched(kit, pod)
+    assert all(m["readOnly"] is True for m in result["spec"]["containers"][1]["volumeMounts"])
+
+
+def test_upstream_shaped_writable_library_mount_is_made_read_only(kit: SimpleNamespace) -> None:
+    pod = kit.make_pod(FRACTION, volumes=[{"name": VGPU_VOLUME, "hostPath": {"path": "/usr/local/vgpu", "type": "DirectoryOrCreate"}}])
+    pod["spec"]["containers"][0]["volumeMounts"] = [{"name": VGPU_VOLUME, "mountPath": "/usr/local/vgpu", "readOnly": False}]
+    result = patched(kit, pod)
+    assert result["spec"]["volumes"][0]["hostPath"]["type"] == "Directory"
+    assert result["spec"]["containers"][0]["volumeMounts"][0] == {"name": VGPU_VOLUME, "mountPath": "/usr/local/vgpu", "readOnly": True}

@@ -1,0 +1,122 @@
+"""Properties over generated pods: never a 5xx, every patch applies to its pod, the patched pod is a
+valid Kubernetes Pod (strict schema), and mutating it again changes nothing."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import jsonpatch
+import kubernetes_validate
+import orjson
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kai_isolator.services.admission.mutation import STATE_VOLUME, VGPU_VOLUME, InjectionConfig
+from kai_isolator.services.admission.webhook import Webhook
+
+K8S_VERSION = "1.33"
+CONTAINER_NAMES = ["main", "sidecar", "gpu-workload", "setup", "logger"]
+VOLUME_NAMES = [VGPU_VOLUME, STATE_VOLUME, "data", "config", "scratch"]
+MOUNT_PATHS = ["/data", "/etc/ld.so.preload", "/etc/./ld.so.preload", "/usr/local/vgpu", "/usr/local/vgpu/libvgpu.so",
+               "/run/kai-isolator", "/var/cache", "/etc", "/usr/local/vgpu/"]
+ENV_NAMES = ["POD_UID", "CONTAINER_NAME", "CONTAINER_VGPU_MOUNT", "CUDA_DEVICE_MEMORY_SHARED_CACHE", "LD_PRELOAD",
+             "CUDA_DISABLE_CONTROL", "PATH", "HOME"]
+
+volume_sources = st.sampled_from([
+    {"emptyDir": {}},
+    {"configMap": {"name": "cfg"}},
+    {"hostPath": {"path": "/usr/local/vgpu", "type": "DirectoryOrCreate"}},
+    {"hostPath": {"path": "/var/lib/kai-isolator/containers", "type": "DirectoryOrCreate"}},
+    {"hostPath": {"path": "/usr/local", "type": ""}},
+    {"hostPath": {"path": "/tmp"}},
+])
+
+
+def env_var(name: str) -> st.SearchStrategy[dict[str, Any]]:
+    downward = {"valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.uid"}}}
+    return st.one_of(
+        st.builds(lambda v: {"name": name, "value": v}, st.sampled_from(["", "x", "/usr/local/vgpu", "main", "/tmp/c"])),
+        st.just({"name": name, **downward}),
+    )
+
+
+mounts = st.lists(
+    st.builds(lambda n, p, ro, sub: {"name": n, "mountPath": p, **({"readOnly": ro} if ro is not None else {}), **({"subPath": sub} if sub else {})},
+              st.sampled_from(VOLUME_NAMES), st.sampled_from(MOUNT_PATHS), st.sampled_from([None, True, False]),
+              st.sampled_from(["", "ld.so.preload"])),
+    max_size=4, unique_by=lambda m: m["mountPath"],
+)
+
+
+@st.composite
+def containers(draw: st.DrawFn, names: list[str]) -> list[dict[str, Any]]:
+    result = []
+    for name in names:
+        container: dict[str, Any] = {"name": name, "image": "busybox"}
+        if draw(st.booleans()):
+            container["volumeMounts"] = draw(mounts)
+        if draw(st.booleans()):
+            env_names = draw(st.lists(st.sampled_from(ENV_NAMES), max_size=4))
+            container["env"] = [draw(env_var(n)) for n in env_names]
+        if draw(st.integers(0, 5)) == 0:
+            container["securityContext"] = {"privileged": draw(st.booleans())}
+        result.append(container)
+    return result
+
+
+@st.composite
+def pods(draw: st.DrawFn) -> dict[str, Any]:
+    names = draw(st.lists(st.sampled_from(CONTAINER_NAMES), min_size=1, max_size=4, unique=True))
+    split = draw(st.integers(0, len(names) - 1))
+    inits, regular = names[:split], names[split:]
+    annotations: dict[str, str] = {}
+    if draw(st.booleans()):
+        annotations[draw(st.sampled_from(["gpu-fraction", "gpu-memory"]))] = draw(st.sampled_from(["0.5", "4096"]))
+    if draw(st.booleans()):
+        annotations["gpu-fraction-container-name"] = draw(st.sampled_from(CONTAINER_NAMES))
+    if draw(st.integers(0, 4)) == 0:
+        annotations["kai-resource-isolator.io/inject"] = draw(st.sampled_from(["false", "FALSE", "true"]))
+    spec: dict[str, Any] = {"containers": draw(containers(regular))}
+    if inits:
+        spec["initContainers"] = draw(containers(inits))
+    if draw(st.booleans()):
+        volume_names = draw(st.lists(st.sampled_from(VOLUME_NAMES), max_size=4, unique=True))
+        spec["volumes"] = [{"name": n, **draw(volume_sources)} for n in volume_names]
+    metadata: dict[str, Any] = {"name": "test-pod", "namespace": "test-ns"}
+    if annotations or draw(st.booleans()):
+        metadata["annotations"] = annotations
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+def review(pod: dict[str, Any]) -> bytes:
+    return orjson.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                         "request": {"uid": "u", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                                     "operation": "CREATE", "namespace": "test-ns", "object": pod}})
+
+
+def respond(webhook: Webhook, pod: dict[str, Any]) -> dict[str, Any]:
+    answer = webhook.handle(review(pod))
+    assert answer.status < 500
+    response = orjson.loads(answer.body)["response"]
+    assert response.get("status", {}).get("code", 200) < 500, response
+    return response
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pod=pods(), mode=st.sampled_from(["warn", "off", "enforce"]))
+def test_patches_apply_validate_and_are_idempotent(pod: dict[str, Any], mode: str) -> None:
+    webhook = Webhook(InjectionConfig(), mode)  # type: ignore[arg-type]
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)  # the generator makes valid pods only
+    response = respond(webhook, pod)
+    if "patch" not in response:
+        return
+    assert response["allowed"] is True and response["patchType"] == "JSONPatch"
+    ops = orjson.loads(base64.b64decode(response["patch"]))
+    patched = jsonpatch.JsonPatch(ops).apply(pod)
+    try:
+        kubernetes_validate.validate(patched, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as error:
+        raise AssertionError(f"patched pod is not a valid Pod: {str(error).splitlines()[0]}") from None
+    again = respond(webhook, patched)
+    assert "patch" not in again, orjson.loads(base64.b64decode(again["patch"]))
