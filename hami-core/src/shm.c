@@ -137,13 +137,16 @@ static int slot_dead(const struct vgpu_shm_slot *slot) {
 
 /* ---- rebuild (always under the file lock) ---- */
 
+/* seq is odd while a locked writer is inside; a writer that died there left it odd. */
 static void begin_write(void) {
-    __atomic_add_fetch(&shm->header.seq, 1, __ATOMIC_SEQ_CST);
+    uint64_t seq = __atomic_load_n(&shm->header.seq, __ATOMIC_RELAXED);
+    if (!(seq & 1)) __atomic_store_n(&shm->header.seq, seq + 1, __ATOMIC_SEQ_CST);
 }
 
 static void end_write(void) {
     shm->header.last_update_ns = clock_ns(CLOCK_REALTIME);
-    __atomic_add_fetch(&shm->header.seq, 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&shm->header.seq, (__atomic_load_n(&shm->header.seq, __ATOMIC_RELAXED) | 1) + 1,
+                     __ATOMIC_RELEASE);
 }
 
 /* Waits until no live process is inside an operation; 0 when drained, -1 on timeout.

@@ -4,14 +4,19 @@
  * the libcuda handle, or cuGetProcAddress_v2 (the CUDA 12/13 runtime's way). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 #include <cuda.h>
 #include "fake_cuda.h"
+#include "shm_layout.h"
 
 CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream);
 typedef CUresult (*legacy_alloc_fn)(unsigned int *dptr, unsigned int bytes);
@@ -284,6 +289,37 @@ static void cmd_legacy(unsigned long long size) {
     report_alloc("legacy", size, rc, K_PTR, ptr);
 }
 
+/* Leaves the shared accounting file as a process killed at the worst moment would: the OFD
+ * lock held (the same whole-file range the library takes), a rebuild half done (frozen, odd
+ * seq) and this process inside an operation with a device total it never finished. */
+static void cmd_crashstate(unsigned long long extra) {
+    const char *path = getenv("CUDA_DEVICE_MEMORY_SHARED_CACHE");
+    int fd = path ? open(path, O_RDWR | O_CLOEXEC) : -1;
+    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET};
+    struct vgpu_shm_file *f = NULL;
+    if (fd >= 0 && fcntl(fd, F_OFD_SETLKW, &fl) == 0) {
+        void *p = mmap(NULL, sizeof *f, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        f = p == MAP_FAILED ? NULL : p;
+    }
+    int slot = -1;
+    for (int s = 0; f && s < VGPU_SHM_SLOTS; s++)
+        if (f->slots[s].pid == getpid()) slot = s;
+    if (slot >= 0) {
+        __atomic_fetch_add(&f->slots[slot].inflight, 1, __ATOMIC_SEQ_CST);
+        __atomic_fetch_add(&f->devices[0].used, extra, __ATOMIC_SEQ_CST);
+        __atomic_store_n(&f->header.frozen, 1, __ATOMIC_SEQ_CST);
+        __atomic_fetch_add(&f->header.seq, 1, __ATOMIC_SEQ_CST);
+    }
+    printf("crashstate slot=%d\n", slot); /* the mapping and lock stay until the process dies */
+}
+
+/* Polls until a file exists: a start line for several processes. */
+static void cmd_waitfile(const char *path) {
+    struct stat st;
+    while (stat(path, &st) != 0) nanosleep(&(struct timespec){.tv_nsec = 1000000}, NULL);
+    printf("waitfile done\n");
+}
+
 /* Runs one command starting at argv[i]; returns how many arguments it consumed, or 0. */
 static int run(char **argv, int argc, int i) {
     const char *c = argv[i];
@@ -356,6 +392,8 @@ static int run(char **argv, int argc, int i) {
     if (!strcmp(c, "procaddr") && left >= 3)
         return print_procaddr(ARG(1), (int)num(ARG(2)), num(ARG(3))), 4;
     if (!strcmp(c, "race") && left >= 3) return race((int)num(ARG(1)), (int)num(ARG(2)), num(ARG(3))), 4;
+    if (!strcmp(c, "crashstate") && left >= 1) return cmd_crashstate(num(ARG(1))), 2;
+    if (!strcmp(c, "waitfile") && left >= 1) return cmd_waitfile(ARG(1)), 2;
     if (!strcmp(c, "hold") && left >= 1) {
         printf("holding\n");
         fflush(stdout);

@@ -5,10 +5,12 @@ many short processes, limits owned by the file, and corrupt files failing closed
 from __future__ import annotations
 
 import os
+import random
 import signal
 import struct
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kai_isolator.shared.usage_cache import FILE_SIZE, read_usage
@@ -39,19 +41,109 @@ def wait_for(proc: subprocess.Popen[str], text: str) -> list[str]:
     raise AssertionError(f"{text!r} never printed: {lines}")
 
 
+def poll(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def blocked_on_lock(pid: int) -> bool:
+    try:
+        return "lk" in Path(f"/proc/{pid}/wchan").read_text()  # fcntl_setlk and friends
+    except OSError:
+        return False
+
+
+def fake_used(env: dict[str, str]) -> int:
+    """The fake driver's cross-process ground truth (it releases dead processes' memory)."""
+    return int(probe("fake", "0", env=env, preload=False, device=None).fields("fake")["used"])
+
+
 def test_racing_processes_never_exceed_the_limit(tmp_path: Path) -> None:
     env = shared_env(tmp_path)
-    procs = [spawn(env, "race", "1", "500", "100000000") for _ in range(8)]
-    outputs = [p.communicate(timeout=60) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outputs
-    totals = probe("fake", "0", "info", env=env)
-    fake = totals.fields("fake")
-    assert int(fake["peak"]) <= GIB_BYTES  # the driver's own cross-process ground truth
-    assert sum(" oom=0 " not in out for out, _ in outputs) > 0  # the limit really was contended
-    assert int(fake["used"]) == 0
+    go = tmp_path / "go"
+    chunk = 200 * MIB
+    procs = [spawn(env, "alloc", str(chunk), "alloc", str(chunk), "waitfile", str(go), "race", "1", "500", "100000000",
+                   "alloc", str(chunk), "hold", "60000") for _ in range(8)]
+    try:
+        early = [wait_for(p, f"alloc {chunk}") + wait_for(p, f"alloc {chunk}") for p in procs]
+        go.touch()  # every process holds its first two chunks until all have tried: 3.2 GB wanted of 1 GiB
+        lines = [before + wait_for(p, "holding") for before, p in zip(early, procs)]
+        rcs = [[int(line.split("rc=")[1].split()[0]) for line in out if line.startswith("alloc")] for out in lines]
+        assert all(rc in (0, 2) for per in rcs for rc in per), lines
+        assert sum(rc == 2 for per in rcs for rc in per[:2]) >= 16 - GIB_BYTES // chunk  # really contended
+        races = [dict(kv.split("=") for kv in next(l for l in out if l.startswith("race")).split()[1:]) for out in lines]
+        assert all(r["other"] == "0" for r in races), races
+        held = chunk * sum(rc == 0 for per in rcs for rc in per)
+        snap = read_usage(env["CUDA_DEVICE_MEMORY_SHARED_CACHE"])
+        assert snap.devices[0].used_bytes == held == fake_used(env) <= GIB_BYTES
+        assert sum(p.used_bytes.get(0, 0) for p in snap.processes) == held
+        fake = probe("fake", "0", env=env, preload=False, device=None).fields("fake")
+        assert int(fake["peak"]) <= GIB_BYTES  # the driver's own cross-process ground truth
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
+    assert fake_used(env) == 0  # the driver released the killed processes' memory ...
+    after = probe("info", env=env)
+    assert int(after.fields("info")["free"]) == GIB_BYTES  # ... and so did the accounting
+    assert read_usage(env["CUDA_DEVICE_MEMORY_SHARED_CACHE"]).devices[0].used_bytes == 0
+
+
+def test_fake_driver_releases_a_dead_processes_memory(tmp_path: Path) -> None:
+    env = shared_env(tmp_path)
+    holder = spawn(env | {"LD_PRELOAD": ""}, "alloc", str(3 * GIB_BYTES), "hold", "60000")
+    wait_for(holder, "holding")
+    assert fake_used(env) == 3 * GIB_BYTES
+    holder.kill()
+    holder.wait(timeout=10)
+    assert fake_used(env) == 0
+
+
+def test_killed_while_holding_the_lock_mid_update(tmp_path: Path) -> None:
+    """The holder dies holding 1 GiB, the file lock, a half-done rebuild and an unfinished
+    reservation; a process already waiting for the lock gets that GiB."""
+    env = shared_env(tmp_path)
+    holder = spawn(env, "alloc", str(GIB_BYTES), "crashstate", str(123 * MIB), "hold", "60000")
+    lines = wait_for(holder, "holding")
+    assert "alloc 1073741824 rc=0 id=0" in lines and "crashstate slot=-1" not in lines, lines
+    waiter = spawn(env, "alloc", str(GIB_BYTES), "fake", "0")
+    poll(lambda: blocked_on_lock(waiter.pid))
+    holder.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    holder.wait(timeout=10)
+    out, err = waiter.communicate(timeout=30)
+    elapsed = time.monotonic() - killed
+    assert waiter.returncode == 0, err
+    assert "alloc 1073741824 rc=0 id=0" in out.splitlines(), out
+    assert elapsed < 1.0, elapsed
     snap = read_usage(env["CUDA_DEVICE_MEMORY_SHARED_CACHE"])
-    assert snap.devices[0].used_bytes == int(fake["used"]) == 0
-    assert snap.devices[0].limit_bytes == GIB_BYTES
+    assert snap.devices[0].used_bytes == 0  # the waiter exited after freeing; nothing of the holder is left
+    assert fake_used(env) == 0
+
+
+def test_processes_killed_at_random_moments_leave_exact_totals(tmp_path: Path) -> None:
+    """Racing processes are SIGKILLed wherever they are (often inside a reservation or a
+    rebuild); afterwards the whole limit is free again and the totals are exact."""
+    env = shared_env(tmp_path)
+    rng = random.Random(5)
+    for _ in range(6):
+        procs = [spawn(env, "alloc", "4096", "race", "2", "100000000", str(rng.choice([20, 40, 100]) * MIB))
+                 for _ in range(3)]
+        for p in procs:
+            wait_for(p, "alloc 4096")  # attached and racing from here on
+        for p in procs:
+            time.sleep(rng.uniform(0.002, 0.03))  # only varies the moment of death
+            p.kill()
+        for p in procs:
+            p.wait(timeout=10)
+    assert fake_used(env) == 0
+    result = probe("info", "alloc", str(GIB_BYTES), "fake", "0", env=env)
+    assert int(result.fields("info")["free"]) == GIB_BYTES
+    assert result.rcs("alloc") == [0]
+    assert int(result.fields("fake")["used"]) == GIB_BYTES
+    assert read_usage(env["CUDA_DEVICE_MEMORY_SHARED_CACHE"]).devices[0].used_bytes == 0
 
 
 def test_sigkilled_holder_is_reclaimed_within_a_second(tmp_path: Path) -> None:
@@ -93,12 +185,14 @@ def test_fork_child_gets_its_own_slot_and_its_usage_goes_when_it_exits(tmp_path:
 
 def test_thousands_of_short_processes_do_not_exhaust_slots(tmp_path: Path) -> None:
     env = base_env(shared_env(tmp_path))
-    argv = [str(TESTS_DIR / "cuprobe"), "init", "ctx", "0", "alloc", "1000"]
-    for _ in range(1100):  # more than the 1024 slots, none of which is ever released at exit
+    argv = [str(TESTS_DIR / "cuprobe"), "init", "ctx", "0", "alloc", "1000", "hold", "0"]
+    for _ in range(2000):  # nearly twice the 1024 slots; exiting processes leave theirs behind
         subprocess.run(argv, env=env, capture_output=True, check=True)
     last = probe("alloc", "1000", "info", env=shared_env(tmp_path))
     assert last.rcs("alloc") == [0]
     assert int(last.fields("info")["free"]) == GIB_BYTES - 1000
+    snap = read_usage(env["CUDA_DEVICE_MEMORY_SHARED_CACHE"])
+    assert len(snap.processes) <= 1024 and snap.devices[0].used_bytes == 0  # the last probe freed at exit
 
 
 def test_two_processes_created_at_the_same_instant_agree(tmp_path: Path) -> None:
@@ -137,3 +231,26 @@ def test_corrupt_truncated_or_foreign_files_fail_closed(tmp_path: Path) -> None:
         assert len(result.stderr.splitlines()) == 1 and "shared accounting file" in result.stderr, kind
         assert os.path.getsize(env["CUDA_DEVICE_MEMORY_SHARED_CACHE"]) != 0
         assert int(result.fields("fake")["allocs"]) == 0
+
+
+def test_an_unopenable_file_fails_closed_when_a_limit_is_set(tmp_path: Path) -> None:
+    """A tenant could make the path unusable to escape the shared limit, so a limited process
+    refuses to allocate; a process without any limit has nothing to enforce."""
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-dir").mkdir()
+    for path in (tmp_path / "missing-dir" / "usage.cache", tmp_path / "a-file" / "usage.cache", tmp_path / "a-dir"):
+        limited = probe("alloc", "1", "fake", "0", env=shared_env(tmp_path, CUDA_DEVICE_MEMORY_SHARED_CACHE=str(path)))
+        assert limited.rcs("alloc") == [2], path
+        assert int(limited.fields("fake")["allocs"]) == 0
+        assert len(limited.stderr.splitlines()) == 1 and str(path) in limited.stderr, limited.stderr
+        unlimited = probe("alloc", "1", env={"CUDA_DEVICE_MEMORY_SHARED_CACHE": str(path)})
+        assert unlimited.rcs("alloc") == [0], path  # nothing to enforce, nothing to escape
+        assert unlimited.stderr == ""
+
+
+def test_a_file_that_is_not_a_regular_file_is_foreign(tmp_path: Path) -> None:
+    os.symlink("/dev/null", tmp_path / "to-dev-null")
+    for env in ({"CUDA_DEVICE_MEMORY_LIMIT": LIMIT}, {}):
+        result = probe("alloc", "1", env=env | {"CUDA_DEVICE_MEMORY_SHARED_CACHE": str(tmp_path / "to-dev-null")})
+        assert result.rcs("alloc") == [2]
+        assert "is not a regular file" in result.stderr and len(result.stderr.splitlines()) == 1
