@@ -14,13 +14,14 @@ from kai_isolator.shared.settings import LogSettings, load
 
 from . import dev, events_command
 from .admission import command as admission_command
+from .certs import command as certs_command
 from .nodeagent import command as nodeagent_command
 from .sandbox import command as sandbox_command
 
 Command = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
 # Each module has `add_parser(subparsers) -> ArgumentParser` and `async run(args) -> int`.
-COMMAND_MODULES = (events_command, dev, admission_command, sandbox_command, nodeagent_command)
+COMMAND_MODULES = (events_command, dev, admission_command, certs_command, sandbox_command, nodeagent_command)
 
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:
