@@ -208,17 +208,34 @@ static unsigned long long used_now(int dev) {
     return used;
 }
 
+/* The UUIDs the fake NVML reports; CUDA accepts any unique prefix of "GPU-<uuid>". */
+static int device_by_uuid_prefix(const char *token, size_t len) {
+    if (len <= 4 || strncmp(token, "GPU-", 4) != 0) return -1;
+    int found = -1;
+    for (int i = 0; i < device_count; i++) {
+        char uuid[64];
+        snprintf(uuid, sizeof uuid, "GPU-%02d00fa4e-1111-2222-3333-%012d", i, i);
+        if (len <= strlen(uuid) && strncmp(uuid, token, len) == 0) found = found == -1 ? i : -2; /* ambiguous prefixes name nothing */
+    }
+    return found;
+}
+
 static void read_config(void) {
     map_shared_state();
     device_count = (int)env_long("FAKE_CUDA_DEVICES", 1, 1, MAX_DEVICES);
     device_total = (unsigned long long)env_long("FAKE_CUDA_TOTAL_MIB", 15360, 1, 1L << 30) << 20;
     const char *cvd = getenv("CUDA_VISIBLE_DEVICES");
     for (const char *p = cvd; p && *p && visible_count < MAX_DEVICES;) {
-        char *end;
-        long v = strtol(p, &end, 10);
-        if (end == p || v < 0 || v >= device_count) break; /* the driver stops at the first bad entry */
-        visible[visible_count++] = (int)v;
-        p = *end == ',' ? end + 1 : end;
+        size_t len = strcspn(p, ",");
+        int v = device_by_uuid_prefix(p, len);
+        if (v < 0) {
+            char *end;
+            long n = strtol(p, &end, 10);
+            v = end == p + len && n < device_count ? (int)n : -1;
+        }
+        if (v < 0) break; /* the driver stops at the first bad entry */
+        visible[visible_count++] = v;
+        p += len + (p[len] == ',');
     }
     if (!cvd)
         for (int i = 0; i < device_count; i++) visible[visible_count++] = i;

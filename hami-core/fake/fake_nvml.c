@@ -89,7 +89,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned 
 EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
     if (!valid(device) || !uuid) return NVML_ERROR_INVALID_ARGUMENT;
     if (length < 41) return NVML_ERROR_INSUFFICIENT_SIZE;
-    snprintf(uuid, length, "GPU-00000000-0000-0000-0000-%012u", device->index);
+    snprintf(uuid, length, "GPU-%02u00fa4e-1111-2222-3333-%012u", device->index, device->index);
     return NVML_SUCCESS;
 }
 

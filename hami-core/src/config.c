@@ -7,6 +7,8 @@
 #include <string.h>
 #include "vgpu.h"
 
+#define VGPU_UUID_TOKEN 96
+
 static uint64_t limits[VGPU_MAX_DEVICES];
 static int visible_map[VGPU_MAX_DEVICES];
 static int visible_count = -1; /* -1: identity mapping */
@@ -78,23 +80,84 @@ static void read_limits(void) {
     }
 }
 
-/* Only plain integer lists can be mapped without the driver; UUIDs keep the identity map. */
+/* CUDA_VISIBLE_DEVICES entries that are UUIDs ("GPU-…", possibly abbreviated) are kept
+ * and resolved to NVML indices on first use, through NVML, which ignores the variable. */
+static char visible_tokens[VGPU_MAX_DEVICES][VGPU_UUID_TOKEN];
+static int visible_tokens_count;
+static pthread_once_t resolve_once = PTHREAD_ONCE_INIT;
+
+static int parse_index(const char *token, long *v) {
+    char *end;
+    *v = strtol(token, &end, 10);
+    return end != token && *end == '\0' && *v >= 0 && *v < VGPU_MAX_DEVICES ? 0 : -1;
+}
+
 static void read_visible_devices(void) {
     const char *text = getenv("CUDA_VISIBLE_DEVICES");
     if (!text || !*text) return;
-    int count = 0;
+    int count = 0, uuids = 0;
     for (const char *p = text; *p && count < VGPU_MAX_DEVICES;) {
-        char *end;
-        long v = strtol(p, &end, 10);
-        if (end == p || v < 0 || v >= VGPU_MAX_DEVICES || (*end && *end != ',')) {
-            vgpu_log(VGPU_LOG_INFO, "CUDA_VISIBLE_DEVICES=\"%s\" is not an index list; "
-                     "using CUDA ordinals as device indices", text);
-            return;
+        size_t len = strcspn(p, ",");
+        char *token = visible_tokens[count];
+        snprintf(token, VGPU_UUID_TOKEN, "%.*s", (int)(len < VGPU_UUID_TOKEN ? len : VGPU_UUID_TOKEN - 1), p);
+        long v;
+        if (parse_index(token, &v) == 0) {
+            visible_map[count++] = (int)v;
+        } else if (strncmp(token, "GPU-", 4) == 0 && len > 4 && len < VGPU_UUID_TOKEN) {
+            visible_map[count++] = -1;
+            uuids++;
+        } else {
+            break; /* the driver ignores this entry and everything after it */
         }
-        visible_map[count++] = (int)v;
-        p = *end ? end + 1 : end;
+        p += len;
+        if (*p == ',') p++;
     }
+    if (count == 0) {
+        vgpu_log(VGPU_LOG_INFO, "CUDA_VISIBLE_DEVICES=\"%s\" names no device index or GPU UUID; "
+                 "using CUDA ordinals as device indices", text);
+        return;
+    }
+    visible_tokens_count = uuids ? count : 0;
     visible_count = count;
+}
+
+typedef nvmlReturn_t (*nvml_void_fn)(void);
+typedef nvmlReturn_t (*nvml_count_fn)(unsigned int *);
+typedef nvmlReturn_t (*nvml_handle_fn)(unsigned int, nvmlDevice_t *);
+
+/* NVML index of the only device whose UUID starts with token, or -1. */
+static int nvml_index_of(const char *token, unsigned count, nvml_handle_fn handle_of) {
+    int found = -1;
+    for (unsigned i = 0; i < count && i < VGPU_MAX_DEVICES; i++) {
+        nvmlDevice_t dev;
+        char uuid[96];
+        if (handle_of(i, &dev) == NVML_SUCCESS && vgpu_nvml.nvmlDeviceGetUUID &&
+            vgpu_nvml.nvmlDeviceGetUUID(dev, uuid, sizeof uuid) == NVML_SUCCESS &&
+            strncmp(uuid, token, strlen(token)) == 0) {
+            if (found >= 0) return -1; /* ambiguous, as for the driver */
+            found = (int)i;
+        }
+    }
+    return found;
+}
+
+static void resolve_uuids(void) {
+    nvml_void_fn init = (nvml_void_fn)vgpu_nvml_symbol("nvmlInit_v2");
+    nvml_void_fn shutdown = (nvml_void_fn)vgpu_nvml_symbol("nvmlShutdown");
+    nvml_count_fn count_of = (nvml_count_fn)vgpu_nvml_symbol("nvmlDeviceGetCount_v2");
+    nvml_handle_fn handle_of = (nvml_handle_fn)vgpu_nvml_symbol("nvmlDeviceGetHandleByIndex_v2");
+    unsigned count = 0;
+    int ok = init && shutdown && count_of && handle_of && init() == NVML_SUCCESS;
+    if (ok && count_of(&count) != NVML_SUCCESS) count = 0;
+    int unknown = -1;
+    for (int k = 0; k < visible_tokens_count && unknown < 0; k++)
+        if (visible_map[k] < 0 && (visible_map[k] = ok ? nvml_index_of(visible_tokens[k], count, handle_of) : -1) < 0)
+            unknown = k;
+    if (ok) shutdown();
+    if (unknown < 0) return;
+    vgpu_log(VGPU_LOG_WARN, "CUDA_VISIBLE_DEVICES entry \"%s\" matches no GPU known to NVML; "
+             "using CUDA ordinals as device indices", visible_tokens[unknown]);
+    __atomic_store_n(&visible_count, -1, __ATOMIC_RELEASE);
 }
 
 static void config_init_once(void) {
@@ -116,6 +179,8 @@ int vgpu_config_any_limit(void) {
 
 int vgpu_config_index(CUdevice ordinal) {
     if (ordinal < 0) return -1;
-    if (visible_count < 0) return ordinal < VGPU_MAX_DEVICES ? ordinal : -1;
-    return ordinal < visible_count ? visible_map[ordinal] : -1;
+    if (visible_tokens_count) pthread_once(&resolve_once, resolve_uuids);
+    int count = __atomic_load_n(&visible_count, __ATOMIC_ACQUIRE);
+    if (count < 0) return ordinal < VGPU_MAX_DEVICES ? ordinal : -1;
+    return ordinal < count ? visible_map[ordinal] : -1;
 }

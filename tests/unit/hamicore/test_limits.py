@@ -80,6 +80,29 @@ def test_cuda_visible_devices_maps_ordinals_to_device_indices() -> None:
     assert int(result.fields("fake")["used"]) == GIB
 
 
+def fake_uuid(index: int) -> str:
+    return f"GPU-{index:02d}00fa4e-1111-2222-3333-{index:012d}"  # what the fake NVML reports
+
+
+def test_cuda_visible_devices_uuids_map_through_nvml() -> None:
+    env = {"FAKE_CUDA_DEVICES": "3", "CUDA_VISIBLE_DEVICES": f"{fake_uuid(2)},{fake_uuid(0)[:7]}",
+           "CUDA_DEVICE_MEMORY_LIMIT_2": "1m", "CUDA_DEVICE_MEMORY_LIMIT_0": "2m"}
+    result = probe("totalmem", "0", "totalmem", "1", "alloc", str(MIB + 1), "alloc", str(MIB),
+                   "ctx", "1", "alloc", str(2 * MIB), "fake", "2", "fake", "0", env=env)
+    assert [int(f["bytes"]) for f in result.all_fields("totalmem")] == [MIB, 2 * MIB]
+    assert result.rcs("alloc") == [2, 0, 0]  # ordinal 0 is GPU 2 (1 MiB), ordinal 1 is GPU 0 (2 MiB, abbreviated)
+    assert [int(f["used"]) for f in result.all_fields("fake")] == [MIB, 2 * MIB]
+    assert result.stderr == ""
+
+
+def test_an_unknown_uuid_falls_back_to_ordinals_with_a_warning() -> None:
+    env = {"FAKE_CUDA_DEVICES": "2", "CUDA_VISIBLE_DEVICES": f"{fake_uuid(1)},GPU-ffff",
+           "CUDA_DEVICE_MEMORY_LIMIT_0": "1m", "CUDA_DEVICE_MEMORY_LIMIT_1": "8m"}
+    result = probe("alloc", str(2 * MIB), env=env)
+    assert result.rcs("alloc") == [2]  # ordinal 0 accounted as device 0, never unlimited
+    assert len(result.stderr.splitlines()) == 1 and "GPU-ffff" in result.stderr
+
+
 def test_bad_log_level_is_reported_once_and_changes_nothing_else() -> None:
     result = probe("alloc", "100", env={"LIBCUDA_LOG_LEVEL": "loud", "CUDA_DEVICE_MEMORY_LIMIT": "1m"})
     assert result.rcs("alloc") == [0]
