@@ -12,16 +12,14 @@ from kai_isolator.shared import logs
 from kai_isolator.shared.errors import IsolatorError
 from kai_isolator.shared.settings import LogSettings, load
 
-from . import dev, events_command
-from .admission import command as admission_command
-from .certs import command as certs_command
-from .nodeagent import command as nodeagent_command
-from .sandbox import command as sandbox_command
+from . import dev, events_command, registry
 
 Command = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
-# Each module has `add_parser(subparsers) -> ArgumentParser` and `async run(args) -> int`.
-COMMAND_MODULES = (events_command, dev, admission_command, certs_command, sandbox_command, nodeagent_command)
+
+def command_modules() -> list[Any]:
+    """Each has `add_parser(subparsers) -> ArgumentParser` and `async run(args) -> int`."""
+    return [events_command, dev, *registry.command_modules()]
 
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Enforce KAI-Scheduler GPU-sharing limits: webhook, node agent, libvgpu.so, and an event bus on NATS.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in COMMAND_MODULES:
+    for module in command_modules():
         sub = module.add_parser(commands)
         add_common_flags(sub)
         add_bus_flags(sub)

@@ -1,8 +1,8 @@
 """`kai-isolator dev`: the embedded bus plus every service, in one process tree, until Ctrl-C.
 
-Each service contributes a component: an async context manager factory that starts it
-in-process against the shared `DevContext` and stops it on exit. Components start in the
-order of `COMPONENTS` and stop in reverse.
+Each service contributes a component (`component` in its `dev.py`): an async context
+manager factory that starts it in-process against the shared `DevContext` and stops it on
+exit. Components start in `registry.SERVICES` order and stop in reverse.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from kai_isolator.shared.embedded_nats import bus_url
 from kai_isolator.shared.settings import BusSettings, load
 from kai_isolator.shared.tail import follow, render_line
 
+from . import registry
+
 log = logging.getLogger(__name__)
 
 
@@ -40,8 +42,6 @@ class DevContext:
 
 DevComponent = Callable[[DevContext], AbstractAsyncContextManager[None]]
 
-# Later components may rely on values earlier ones put in DevContext.values.
-COMPONENTS: list[DevComponent] = []
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -54,7 +54,8 @@ async def run(args: argparse.Namespace) -> int:
         await _provision(url, settings)
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kai-isolator-dev-")))
         context = DevContext(nats_url=url, bus=settings.model_copy(update={"nats_url": url}), workdir=workdir)
-        for component in COMPONENTS:
+        # Later components may rely on values earlier ones put in DevContext.values.
+        for component in registry.dev_components():
             await stack.enter_async_context(component(context))
         with stop_signals() as stop:
             timeline = asyncio.create_task(_print_events(url))
