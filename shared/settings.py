@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -67,6 +68,18 @@ def load(cls: type[S], args: argparse.Namespace | None = None) -> S:
     except ValidationError as error:
         problems = "; ".join(f"{ENV_PREFIX}{'.'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in error.errors())
         raise ConfigError(f"invalid {cls.__name__}: {problems}") from None
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
+
+
+def parse_duration(value: str) -> float:
+    """Seconds for `90`, `90s`, `10m`, `2h`, `1d`, `250ms`; ConfigError otherwise."""
+    match = _DURATION.match(value)
+    if not match:
+        raise ConfigError(f"expected a duration like 30s, 10m or 2h, got {value!r}")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
 def split_host_port(listen: str) -> tuple[str, int]:

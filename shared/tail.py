@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -17,20 +17,16 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from . import subjects
 from .errors import ConfigError, DecodeError
+from .settings import parse_duration
 from .events import Envelope, Payload, decode
 
 log = logging.getLogger(__name__)
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)\s*$")
-_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
 def parse_since(value: str, now: datetime | None = None) -> datetime:
     """`10m`, `90s`, `2h`, `1d` ago, or an ISO-8601 instant."""
     now = now or datetime.now(timezone.utc)
-    match = _DURATION.match(value)
-    if match:
-        return now - timedelta(seconds=float(match.group(1)) * _UNIT_SECONDS[match.group(2)])
+    with contextlib.suppress(ConfigError):
+        return now - timedelta(seconds=parse_duration(value))
     try:
         instant = datetime.fromisoformat(value.strip())
     except ValueError:

@@ -1,0 +1,22 @@
+"""The verifier's `kai-isolator dev` component: verdicts for the sandbox's pods, Events into the sandbox."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from .command import running
+from .settings import VerifierSettings
+
+if TYPE_CHECKING:
+    from kai_isolator.services.dev import DevContext
+
+
+@contextlib.asynccontextmanager
+async def component(ctx: DevContext) -> AsyncIterator[None]:
+    kubeconfig = ctx.values.get("kubeconfig")
+    settings = VerifierSettings(kubeconfig=kubeconfig, kubernetes_events=kubeconfig is not None, reverify_s=30)
+    async with running(settings, ctx.bus, ctx.nats_url) as verifier:
+        ctx.values["verifier"] = verifier
+        yield

@@ -1,0 +1,102 @@
+"""Compare what a node agent saw in a container with what must be there, and name the verdict.
+
+Pure: the same pod and the same inspection always give the same verdict, reasons and
+observation digest, which is what makes verdicts idempotent across retries and restarts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from kai_isolator.shared.errors import ConfigError
+from kai_isolator.shared.events import InspectReply, PodIsolation, Reason, Verdict
+from kai_isolator.shared.limits import parse_limit
+
+MISSING_CODES = frozenset({"not-injected", "no-limit-granted", "no-preload", "library-not-loaded"})
+
+
+@dataclass(frozen=True)
+class Judgement:
+    verdict: Verdict
+    reasons: tuple[Reason, ...]
+
+    @property
+    def observation(self) -> str:
+        """Digest of the verdict and its reasons: equal observations are one verdict, never two."""
+        body = json.dumps([self.verdict, [(r.code, r.message) for r in self.reasons]], separators=(",", ":"))
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def judge_without_inspection(pod: PodIsolation) -> Judgement | None:
+    """Verdicts that need no look inside the container; None when one is needed."""
+    reasons = []
+    if not pod.injected:
+        reasons.append(Reason(code="not-injected", message="the pod carries no libvgpu injection (webhook down, skipped or opted out)"))
+    if not pod.expected_limit:
+        reasons.append(Reason(code="no-limit-granted", message="the scheduler granted no CUDA_DEVICE_MEMORY_LIMIT"))
+    return Judgement("missing", tuple(reasons)) if reasons else None
+
+
+def judge(pod: PodIsolation, reply: InspectReply, library_path: str) -> Judgement:
+    """The verdict for an injected, running container from what its node agent observed."""
+    up_front = judge_without_inspection(pod)
+    if up_front:
+        return up_front
+    expected = _limit_bytes(pod.expected_limit)
+    reasons = [*_preload_reasons(reply, library_path), *_limit_reasons(reply, pod.expected_limit or "", expected), *_usage_reasons(reply, expected)]
+    if any(r.code in MISSING_CODES for r in reasons):
+        return Judgement("missing", tuple(r for r in reasons if r.code in MISSING_CODES))
+    return Judgement("degraded" if reasons else "verified", tuple(reasons))
+
+
+def _preload_reasons(reply: InspectReply, library_path: str) -> list[Reason]:
+    without_preload = [p.pid for p in reply.processes if library_path not in (p.preload or "").split()]
+    without_library = [p.pid for p in reply.processes if not p.library_mapped]
+    if len(without_preload) == len(reply.processes):
+        return [Reason(code="no-preload", message=f"/etc/ld.so.preload does not name {library_path} in any process")]
+    if len(without_library) == len(reply.processes):
+        return [Reason(code="library-not-loaded", message="no process of the container maps libvgpu.so")]
+    reasons = []
+    if without_preload:
+        reasons.append(Reason(code="preload-mismatch", message=f"pids {_pids(without_preload)} see another /etc/ld.so.preload"))
+    if without_library:
+        reasons.append(Reason(code="process-without-library", message=f"pids {_pids(without_library)} do not map libvgpu.so"))
+    return reasons
+
+
+def _limit_reasons(reply: InspectReply, granted: str, expected: int | None) -> list[Reason]:
+    lost = [p.pid for p in reply.processes if not p.memory_limit_env]
+    wrong = [p.pid for p in reply.processes if p.memory_limit_env and _limit_bytes(p.memory_limit_env) != expected]
+    reasons = []
+    if lost:
+        reasons.append(Reason(code="limit-env-missing", message=f"pids {_pids(lost)} have no CUDA_DEVICE_MEMORY_LIMIT"))
+    if wrong:
+        reasons.append(Reason(code="limit-mismatch", message=f"pids {_pids(wrong)} have a CUDA_DEVICE_MEMORY_LIMIT other than the granted {granted}"))
+    return reasons
+
+
+def _usage_reasons(reply: InspectReply, expected: int | None) -> list[Reason]:
+    if not reply.devices:
+        return [Reason(code="usage-cache-missing", message="the container's usage cache is absent or unreadable")]
+    reasons = []
+    for device in reply.devices:
+        if device.unlimited:
+            reasons.append(Reason(code="usage-cache-unlimited", message=f"device {device.index} runs without a limit"))
+        elif device.limit_bytes != expected:
+            reasons.append(Reason(code="usage-cache-limit-mismatch", message=f"device {device.index} limit {device.limit_bytes} bytes, granted {expected}"))
+        if not device.unlimited and device.used_bytes > device.limit_bytes:
+            reasons.append(Reason(code="over-limit", message=f"device {device.index} uses {device.used_bytes} of {device.limit_bytes} bytes"))
+    return reasons
+
+
+def _limit_bytes(value: str | None) -> int | None:
+    try:
+        return parse_limit(value) if value else None
+    except ConfigError:
+        return None
+
+
+def _pids(pids: list[int]) -> str:
+    return ",".join(map(str, sorted(pids)))

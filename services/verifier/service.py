@@ -1,0 +1,189 @@
+"""The verifier's handlers: running pod -> ask its node agent -> verdict on the bus, in KV and on the pod.
+
+Pods to re-verify and the last observation per container live in a KV bucket, so a restart
+repeats no verdict and forgets no pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from nats.js.errors import KeyNotFoundError, NoKeysError
+from prometheus_client import Counter, Histogram
+from pydantic import BaseModel
+
+from kai_isolator.shared import subjects
+from kai_isolator.shared.bus import Runtime
+from kai_isolator.shared.errors import IsolatorError
+from kai_isolator.shared.events import HealthVerdict, InspectReply, InspectRequest, NodeStatus, PodIsolation
+
+from .judge import Judgement, judge, judge_without_inspection
+from .kube import PodNotifier
+from .settings import VerifierSettings
+
+log = logging.getLogger(__name__)
+
+
+class NotObservableYet(IsolatorError):
+    """The container cannot be inspected right now (agent silent, no process yet): retry, never guess."""
+
+
+class VerdictRecord(BaseModel):
+    observation: str
+    verdict: str
+
+
+class Verifier:
+    """Bound to a started Runtime that provisioned `settings.health_bucket`."""
+
+    def __init__(self, runtime: Runtime, settings: VerifierSettings, notifier: PodNotifier | None) -> None:
+        self.runtime = runtime
+        self.settings = settings
+        self.notifier = notifier
+        self.library_path = f"{settings.container_vgpu_mount.rstrip('/')}/libvgpu.so"
+        self._node_versions: dict[str, str | None] = {}
+        registry = runtime.metrics.registry
+        self.verdicts = Counter("kai_isolator_verdicts", "Verdicts emitted, by verdict and reason", ["verdict", "reason"], registry=registry)
+        self.latency = Histogram("kai_isolator_verification_seconds", "From inspection request to verdict", registry=registry)
+
+    def bind(self) -> None:
+        self.runtime.on_event("pods", subjects.ALL_PODS, self.on_pod)
+        self.runtime.on_event("nodes", subjects.ALL_NODE_STATUS, self.on_node_status, new_only=True)
+
+    @property
+    def _kv(self):  # type: ignore[no-untyped-def]
+        return self.runtime.kv(self.settings.health_bucket)
+
+    # --- handlers -------------------------------------------------------------------------
+
+    async def on_pod(self, event: PodIsolation) -> None:
+        if event.state in ("finished", "deleted"):
+            await self._forget(event)
+        elif event.state == "running" and not await self._is_gone(event):
+            await self._remember(event)
+            await self.verify(event)
+
+    async def on_node_status(self, status: NodeStatus) -> None:
+        """A node whose library version changed gets all its running pods verified again."""
+        previous = self._node_versions.get(status.node_name, status.active_version)
+        self._node_versions[status.node_name] = status.active_version
+        if previous == status.active_version:
+            return
+        log.info("library version changed; re-verifying the node's pods", extra={"node": status.node_name, "version": status.active_version})
+        for pod in await self.tracked_pods():
+            if pod.node_name == status.node_name:
+                await self._verify_logged(pod)
+
+    # --- verification ---------------------------------------------------------------------
+
+    async def verify(self, pod: PodIsolation) -> HealthVerdict | None:
+        """Emit the verdict for this pod unless this exact observation was already emitted."""
+        started = time.perf_counter()
+        judgement = judge_without_inspection(pod) or judge(pod, await self._inspect(pod), self.library_path)
+        container = pod.container or ""
+        key = self._verdict_key(pod)
+        if await self._last_observation(key) == judgement.observation:
+            return None
+        verdict = HealthVerdict(
+            pod=pod.pod, node_name=pod.node_name or "", container=container,
+            verdict=judgement.verdict, reasons=list(judgement.reasons), observation=judgement.observation,
+        )
+        await self.runtime.publish(verdict)
+        await self._tell_kubernetes(verdict)
+        await self._kv.put(key, VerdictRecord(observation=judgement.observation, verdict=judgement.verdict).model_dump_json().encode())
+        self._count(judgement)
+        self.latency.observe(time.perf_counter() - started)
+        log.info("verdict", extra={"pod": f"{pod.pod.namespace}/{pod.pod.name}", "verdict": verdict.verdict,
+                                   "reasons": ",".join(r.code for r in verdict.reasons) or "-"})
+        return verdict
+
+    @staticmethod
+    def _verdict_key(pod: PodIsolation) -> str:
+        return f"verdict.{pod.pod.uid}.{pod.container or '-'}"
+
+    async def _inspect(self, pod: PodIsolation) -> InspectReply:
+        if not pod.node_name or not pod.container:
+            raise NotObservableYet(f"{pod.pod.namespace}/{pod.pod.name} has no node or target container yet")
+        request = InspectRequest(node_name=pod.node_name, pod=pod.pod, container=pod.container)
+        reply = await self.runtime.request(request, timeout_s=self.settings.inspect_timeout_s)
+        if not isinstance(reply, InspectReply):
+            raise NotObservableYet(f"node agent answered {reply.event_type}")
+        if not reply.found or not reply.processes:
+            raise NotObservableYet(f"no process of {pod.pod.namespace}/{pod.pod.name}:{pod.container} on {pod.node_name}: {reply.message}")
+        return reply
+
+    async def _tell_kubernetes(self, verdict: HealthVerdict) -> None:
+        if self.notifier is None:
+            return
+        await self.notifier.post_event(verdict)
+        if verdict.verdict == "missing" and self.settings.on_missing == "annotate":
+            await self.notifier.annotate_missing(verdict)
+
+    def _count(self, judgement: Judgement) -> None:
+        for reason in judgement.reasons or ():
+            self.verdicts.labels(judgement.verdict, reason.code).inc()
+        if not judgement.reasons:
+            self.verdicts.labels(judgement.verdict, "none").inc()
+
+    async def _last_observation(self, key: str) -> str | None:
+        try:
+            entry = await self._kv.get(key)
+        except KeyNotFoundError:
+            return None
+        return VerdictRecord.model_validate_json(entry.value or b"{}").observation if entry.value else None
+
+    # --- the set of pods to re-verify -----------------------------------------------------
+
+    async def _remember(self, pod: PodIsolation) -> None:
+        await self._kv.put(f"pod.{pod.pod.uid}", pod.model_dump_json().encode())
+
+    async def _forget(self, pod: PodIsolation) -> None:
+        # The tombstone stops a late redelivery of the pod's `running` event from reviving it.
+        await self._kv.put(f"gone.{pod.pod.uid}", b"")
+        for key in (f"pod.{pod.pod.uid}", self._verdict_key(pod)):
+            with contextlib.suppress(KeyNotFoundError):
+                await self._kv.purge(key)
+
+    async def _is_gone(self, pod: PodIsolation) -> bool:
+        try:
+            await self._kv.get(f"gone.{pod.pod.uid}")
+        except KeyNotFoundError:
+            return False
+        return True
+
+    async def tracked_pods(self) -> list[PodIsolation]:
+        try:
+            keys = await self._kv.keys()
+        except NoKeysError:
+            return []
+        pods = []
+        for key in keys:
+            if key.startswith("pod."):
+                with contextlib.suppress(KeyNotFoundError):
+                    entry = await self._kv.get(key)
+                    if entry.value:
+                        pods.append(PodIsolation.model_validate_json(entry.value))
+        return pods
+
+    async def reverify_forever(self) -> None:
+        """Every pod each `reverify_s`; pods without a verdict yet (agent was silent) each `pending_retry_s`."""
+        tick = min(self.settings.reverify_s, self.settings.pending_retry_s)
+        since_full = 0.0
+        while True:
+            await asyncio.sleep(tick)
+            since_full += tick
+            full = since_full >= self.settings.reverify_s
+            if full:
+                since_full = 0.0
+            for pod in await self.tracked_pods():
+                if full or await self._last_observation(self._verdict_key(pod)) is None:
+                    await self._verify_logged(pod)
+
+    async def _verify_logged(self, pod: PodIsolation) -> None:
+        try:
+            await self.verify(pod)
+        except IsolatorError as error:
+            log.warning("re-verification deferred", extra={"pod": f"{pod.pod.namespace}/{pod.pod.name}", "error": str(error)})

@@ -1,0 +1,24 @@
+"""Verifier settings, from `KAI_ISOLATOR_VERIFIER_*` env vars and flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+OnMissing = Literal["warn", "annotate"]
+
+
+class VerifierSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KAI_ISOLATOR_VERIFIER_", extra="ignore", frozen=True)
+
+    reverify_s: float = Field(300.0, gt=0, description="re-inspect every running GPU-sharing pod this often")
+    pending_retry_s: float = Field(10.0, gt=0, description="retry pods that could not be inspected yet this often")
+    on_missing: OnMissing = Field("warn", description="warn: Warning Event; annotate: also mark the pod")
+    kubeconfig: Path | None = Field(None, description="kubeconfig for Kubernetes Events; unset = in-cluster")
+    kubernetes_events: bool = Field(True, description="post Kubernetes Events on pods")
+    container_vgpu_mount: str = Field("/usr/local/vgpu", description="where the library is mounted in containers")
+    inspect_timeout_s: float = Field(5.0, gt=0)
+    health_bucket: str = Field("isolator-pod-health", pattern=r"^[A-Za-z0-9_-]+$")

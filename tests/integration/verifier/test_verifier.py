@@ -1,0 +1,165 @@
+"""The verifier on a real bus: verdicts from a node agent's answers, retried when it is silent, never repeated."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from kai_isolator.services.verifier.command import running
+from kai_isolator.services.verifier.service import Verifier
+from kai_isolator.services.verifier.settings import VerifierSettings
+from kai_isolator.shared import subjects
+from kai_isolator.shared.bus import Runtime
+from kai_isolator.shared.events import (
+    DeviceUsage, HealthVerdict, InspectReply, InspectRequest, NodeStatus, PodIsolation, PodRef, ProcessReport,
+)
+from kai_isolator.shared.settings import BusSettings
+from support import RuntimeFactory, eventually
+
+LIB = "/usr/local/vgpu/libvgpu.so"
+GRANTED = 4147 << 20
+
+
+def pod_event(name: str, state: str = "running", **changes: object) -> PodIsolation:
+    fields = dict(pod=PodRef(namespace="team-a", name=name, uid=f"uid-{name}"), resource_version="5", state=state,
+                  node_name="gpu-1", container="main", injected=True, expected_limit="4147m")
+    return PodIsolation(**{**fields, **changes})  # type: ignore[arg-type]
+
+
+class ScriptedAgent:
+    """Stands in for the node agent on the bus; what each container looks like is set by the test."""
+
+    def __init__(self) -> None:
+        self.limits: dict[str, str | None] = {}
+        self.requests: list[InspectRequest] = []
+
+    async def inspect(self, request: InspectRequest) -> InspectReply:
+        self.requests.append(request)
+        if request.pod.name not in self.limits:
+            return InspectReply(node_name=request.node_name, pod=request.pod, container=request.container, found=False, message="no such process")
+        process = ProcessReport(pid=100, preload=LIB, library_mapped=True, library_version="v1", memory_limit_env=self.limits[request.pod.name])
+        device = DeviceUsage(index=0, uuid="GPU-0", limit_bytes=GRANTED, used_bytes=1 << 30)
+        return InspectReply(node_name=request.node_name, pod=request.pod, container=request.container, found=True, processes=[process], devices=[device])
+
+
+@pytest.fixture
+async def verdicts(start_runtime: RuntimeFactory) -> list[HealthVerdict]:
+    seen: list[HealthVerdict] = []
+
+    async def collect(verdict: HealthVerdict) -> None:
+        seen.append(verdict)
+
+    await start_runtime("observer", lambda r: r.on_event("health", subjects.ALL_HEALTH, collect))
+    return seen
+
+
+@pytest.fixture
+async def agent(start_runtime: RuntimeFactory) -> ScriptedAgent:
+    scripted = ScriptedAgent()
+    await start_runtime("agent", lambda r: r.on_request(subjects.node_inspect("gpu-1"), scripted.inspect))
+    return scripted
+
+
+@pytest.fixture
+async def verifier(bus_settings: BusSettings) -> AsyncIterator[Verifier]:
+    settings = VerifierSettings(kubernetes_events=False, reverify_s=3600, pending_retry_s=0.5, inspect_timeout_s=1)
+    async with running(settings, bus_settings, bus_settings.nats_url or "") as started:
+        yield started
+
+
+async def test_verified_degraded_and_missing_reach_the_bus_and_kv(
+    agent: ScriptedAgent, verifier: Verifier, verdicts: list[HealthVerdict], start_runtime: RuntimeFactory
+) -> None:
+    agent.limits.update({"good": "4147m", "wrong-limit": "8g"})
+    publisher = await start_runtime("watcher-stand-in")
+    for event in (pod_event("good"), pod_event("wrong-limit"), pod_event("webhook-was-down", injected=False)):
+        await publisher.publish(event)
+    await eventually(lambda: len(verdicts) == 3)
+    by_pod = {v.pod.name: v for v in verdicts}
+    assert by_pod["good"].verdict == "verified"
+    assert by_pod["wrong-limit"].verdict == "degraded" and [r.code for r in by_pod["wrong-limit"].reasons] == ["limit-mismatch"]
+    assert by_pod["webhook-was-down"].verdict == "missing" and [r.code for r in by_pod["webhook-was-down"].reasons] == ["not-injected"]
+    record = await verifier.runtime.kv("isolator-pod-health").get("verdict.uid-good.main")
+    assert b'"verdict":"verified"' in (record.value or b"")
+    assert {p.pod.name for p in await verifier.tracked_pods()} == {"good", "wrong-limit", "webhook-was-down"}
+
+
+async def test_silent_agent_means_retries_and_no_verdict_until_it_answers(
+    start_runtime: RuntimeFactory, verifier: Verifier, verdicts: list[HealthVerdict]
+) -> None:
+    publisher = await start_runtime("watcher-stand-in")
+    await publisher.publish(pod_event("p1"))
+    handled = verifier.runtime.metrics.handled
+    await eventually(lambda: handled.labels("verifier-pods", "dead_lettered")._value.get() == 1)  # every delivery failed
+    assert handled.labels("verifier-pods", "retried")._value.get() == 2
+    assert verdicts == []  # nobody answered: no verdict at all, certainly not "verified"
+    scripted = ScriptedAgent()
+    scripted.limits["p1"] = "4147m"
+    await start_runtime("agent", lambda r: r.on_request(subjects.node_inspect("gpu-1"), scripted.inspect))
+    await eventually(lambda: len(verdicts) == 1, timeout_s=15)  # the pending-pod retry found it
+    assert verdicts[0].verdict == "verified"
+
+
+async def test_container_without_processes_is_retried_not_judged(
+    agent: ScriptedAgent, start_runtime: RuntimeFactory, verifier: Verifier, verdicts: list[HealthVerdict]
+) -> None:
+    publisher = await start_runtime("watcher-stand-in")
+    await publisher.publish(pod_event("starting"))
+    await eventually(lambda: len(agent.requests) >= 2)  # asked, found nothing, asked again
+    assert verdicts == []
+    agent.limits["starting"] = "4147m"
+    await eventually(lambda: len(verdicts) == 1, timeout_s=15)
+
+
+async def test_same_observation_is_never_emitted_twice_even_across_a_restart(
+    agent: ScriptedAgent, bus_settings: BusSettings, start_runtime: RuntimeFactory, verdicts: list[HealthVerdict]
+) -> None:
+    agent.limits["p1"] = "4147m"
+    publisher = await start_runtime("watcher-stand-in")
+    settings = VerifierSettings(kubernetes_events=False, reverify_s=3600, inspect_timeout_s=1)
+    async with running(settings, bus_settings, bus_settings.nats_url or "") as first:
+        await publisher.publish(pod_event("p1"))
+        await eventually(lambda: len(verdicts) == 1)
+        assert await first.verify(pod_event("p1")) is None  # a re-verification seeing the same thing
+    async with running(settings, bus_settings, bus_settings.nats_url or "") as second:
+        await publisher.publish(pod_event("p1", resource_version="6"))  # a new event, same observation
+        await eventually(lambda: len(agent.requests) == 3)
+        for pod in await second.tracked_pods():
+            await second.verify(pod)
+        agent.limits["p1"] = "2g"  # then something really changes
+        await second.verify(pod_event("p1"))
+        await eventually(lambda: len(verdicts) == 2)
+    await asyncio.sleep(0.3)
+    assert [v.verdict for v in verdicts] == ["verified", "degraded"]
+
+
+async def test_library_version_change_on_a_node_reverifies_its_pods(
+    agent: ScriptedAgent, start_runtime: RuntimeFactory, verifier: Verifier, verdicts: list[HealthVerdict]
+) -> None:
+    agent.limits["p1"] = "4147m"
+    publisher = await start_runtime("watcher-stand-in")
+    await publisher.publish(NodeStatus(node_name="gpu-1", sequence=1, ready=True, active_version="v1"))
+    await publisher.publish(pod_event("p1"))
+    await eventually(lambda: len(verdicts) == 1)
+    asked = len(agent.requests)
+    agent.limits["p1"] = "1g"
+    await publisher.publish(NodeStatus(node_name="gpu-1", sequence=2, ready=True, active_version="v2"))
+    await eventually(lambda: len(verdicts) == 2)
+    assert len(agent.requests) == asked + 1 and verdicts[1].verdict == "degraded"
+
+
+async def test_a_deleted_pod_is_forgotten_and_a_late_running_event_does_not_revive_it(
+    agent: ScriptedAgent, start_runtime: RuntimeFactory, verifier: Verifier, verdicts: list[HealthVerdict]
+) -> None:
+    agent.limits["p1"] = "4147m"
+    publisher: Runtime = await start_runtime("watcher-stand-in")
+    await publisher.publish(pod_event("p1"))
+    await eventually(lambda: len(verdicts) == 1)
+    await publisher.publish(pod_event("p1", state="deleted", resource_version="7"))
+    await eventually(lambda: verifier.runtime.metrics.handled.labels("verifier-pods", "ok")._value.get() == 2)
+    assert await verifier.tracked_pods() == []
+    await publisher.publish(pod_event("p1", resource_version="8"))
+    await eventually(lambda: verifier.runtime.metrics.handled.labels("verifier-pods", "ok")._value.get() == 3)
+    assert await verifier.tracked_pods() == [] and len(verdicts) == 1

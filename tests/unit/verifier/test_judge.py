@@ -1,0 +1,101 @@
+"""Verdicts from observations: each rule, and the stability of the observation digest."""
+
+from __future__ import annotations
+
+import pytest
+
+from kai_isolator.services.verifier.judge import judge, judge_without_inspection
+from kai_isolator.shared.events import DeviceUsage, InspectReply, PodIsolation, PodRef, ProcessReport
+
+LIB = "/usr/local/vgpu/libvgpu.so"
+POD = PodRef(namespace="team-a", name="train", uid="u-1")
+GIB = 1 << 30
+GRANTED = 4147 << 20
+
+
+def running(**changes: object) -> PodIsolation:
+    fields = dict(pod=POD, resource_version="9", state="running", node_name="gpu-1", container="main", injected=True, expected_limit="4147m")
+    return PodIsolation(**{**fields, **changes})  # type: ignore[arg-type]
+
+
+def process(pid: int, **changes: object) -> ProcessReport:
+    fields = dict(pid=pid, preload=LIB + "\n", library_mapped=True, library_version="abc123", memory_limit_env="4147m")
+    return ProcessReport(**{**fields, **changes})  # type: ignore[arg-type]
+
+
+def reply(*processes: ProcessReport, devices: list[DeviceUsage] | None = None) -> InspectReply:
+    if devices is None:
+        devices = [DeviceUsage(index=0, uuid="GPU-0", limit_bytes=GRANTED, used_bytes=GIB)]
+    return InspectReply(node_name="gpu-1", pod=POD, container="main", found=True, processes=list(processes), devices=devices)
+
+
+def codes(judgement) -> list[str]:  # type: ignore[no-untyped-def]
+    return [r.code for r in judgement.reasons]
+
+
+def test_a_fully_isolated_container_is_verified() -> None:
+    result = judge(running(), reply(process(10), process(11)), LIB)
+    assert result.verdict == "verified" and result.reasons == ()
+
+
+def test_limit_formats_are_compared_as_bytes() -> None:
+    result = judge(running(expected_limit="4147m"), reply(process(10, memory_limit_env="4147Mi")), LIB)
+    assert result.verdict == "verified"
+
+
+@pytest.mark.parametrize(
+    "pod, expected_codes",
+    [
+        (running(injected=False), ["not-injected"]),
+        (running(expected_limit=None), ["no-limit-granted"]),
+        (running(injected=False, expected_limit=None), ["not-injected", "no-limit-granted"]),
+    ],
+)
+def test_missing_injection_or_limit_needs_no_inspection(pod: PodIsolation, expected_codes: list[str]) -> None:
+    result = judge_without_inspection(pod)
+    assert result is not None and result.verdict == "missing" and codes(result) == expected_codes
+
+
+def test_no_preload_in_any_process_is_missing() -> None:
+    result = judge(running(), reply(process(10, preload=None, library_mapped=False), process(11, preload="")), LIB)
+    assert result.verdict == "missing" and codes(result) == ["no-preload"]
+
+
+def test_preload_present_but_nothing_loaded_is_missing() -> None:
+    result = judge(running(), reply(process(10, library_mapped=False)), LIB)
+    assert result.verdict == "missing" and codes(result) == ["library-not-loaded"]
+
+
+@pytest.mark.parametrize(
+    "processes, devices, expected_codes",
+    [
+        ([process(10), process(11, library_mapped=False)], None, ["process-without-library"]),
+        ([process(10), process(11, preload="/tmp/evil.so")], None, ["preload-mismatch"]),
+        ([process(10), process(11, memory_limit_env=None)], None, ["limit-env-missing"]),
+        ([process(10, memory_limit_env="15g")], None, ["limit-mismatch"]),
+        ([process(10, memory_limit_env="garbage")], None, ["limit-mismatch"]),
+        ([process(10)], [], ["usage-cache-missing"]),
+        ([process(10)], [DeviceUsage(index=0, limit_bytes=0, used_bytes=0, unlimited=True)], ["usage-cache-unlimited"]),
+        ([process(10)], [DeviceUsage(index=0, limit_bytes=8 * GIB, used_bytes=GIB)], ["usage-cache-limit-mismatch"]),
+        ([process(10)], [DeviceUsage(index=0, limit_bytes=GRANTED, used_bytes=GRANTED + 1)], ["over-limit"]),
+    ],
+)
+def test_partial_isolation_is_degraded_with_machine_readable_reasons(
+    processes: list[ProcessReport], devices: list[DeviceUsage] | None, expected_codes: list[str]
+) -> None:
+    result = judge(running(), reply(*processes, devices=devices), LIB)
+    assert result.verdict == "degraded" and codes(result) == expected_codes
+    assert all(r.message for r in result.reasons)
+
+
+def test_reasons_name_the_processes_concerned() -> None:
+    result = judge(running(), reply(process(10), process(12, library_mapped=False), process(11, library_mapped=False)), LIB)
+    assert result.reasons[0].message.startswith("pids 11,12 ")
+
+
+def test_the_same_observation_has_the_same_digest_and_a_change_a_new_one() -> None:
+    first = judge(running(), reply(process(10), process(11, library_mapped=False)), LIB)
+    again = judge(running(resource_version="10"), reply(process(10), process(11, library_mapped=False)), LIB)
+    healed = judge(running(), reply(process(10), process(11)), LIB)
+    assert first.observation == again.observation
+    assert first.observation != healed.observation
