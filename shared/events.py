@@ -229,6 +229,35 @@ class UsageReport(Payload):
         return f"usage:{self.pod.uid}:{self.container}:{self.sampled_at.isoformat()}"
 
 
+RolloutPhase = Literal["progressing", "node-done", "halted", "completed"]
+
+
+class RolloutProgress(Payload):
+    """The rollout driver's progress moving nodes to one library version; `halted` names the node that failed."""
+
+    TYPES = tuple(f"io.kai-isolator.rollout.{phase}.v1" for phase in RolloutPhase.__args__)  # type: ignore[attr-defined]
+    rollout_id: str
+    version: str
+    phase: RolloutPhase
+    node_name: str | None = Field(None, description="the node this event is about (node-done, halted)")
+    done_nodes: list[str] = Field(default_factory=list)
+    pending_nodes: list[str] = Field(default_factory=list)
+    message: str = ""
+
+    @property
+    def event_type(self) -> str:
+        return f"io.kai-isolator.rollout.{self.phase}.v1"
+
+    def subject(self) -> str:
+        return subjects.rollout(self.rollout_id)
+
+    def event_subject(self) -> str:
+        return self.rollout_id
+
+    def dedup_id(self) -> str:
+        return f"rollout:{self.rollout_id}:{self.phase}:{self.node_name or ''}:{len(self.done_nodes)}"
+
+
 class DeadLetter(Payload):
     """A message a service gave up on, with why."""
 
@@ -320,7 +349,7 @@ class ErrorReply(Payload):
 
 
 PAYLOAD_CLASSES: tuple[type[Payload], ...] = (
-    AdmissionDecision, PodIsolation, HealthVerdict, NodeStatus, UsageReport, DeadLetter,
+    AdmissionDecision, PodIsolation, HealthVerdict, NodeStatus, UsageReport, RolloutProgress, DeadLetter,
     InspectRequest, InspectReply, InstallRequest, InstallReply, ErrorReply,
 )
 REGISTRY: dict[str, type[Payload]] = {t: cls for cls in PAYLOAD_CLASSES for t in cls.TYPES}

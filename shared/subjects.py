@@ -15,7 +15,7 @@ from .errors import DecodeError
 ROOT = "isolator"
 STREAM_NAME = "ISOLATOR"
 
-SubjectKind = Literal["admission", "pod", "health", "usage", "node-status", "inspect", "install", "dlq"]
+SubjectKind = Literal["admission", "pod", "health", "usage", "node-status", "inspect", "install", "rollout", "dlq"]
 
 # Event subjects captured by the JetStream stream. Request/reply subjects are not.
 STREAM_SUBJECTS: tuple[str, ...] = (
@@ -24,6 +24,7 @@ STREAM_SUBJECTS: tuple[str, ...] = (
     f"{ROOT}.health.>",
     f"{ROOT}.usage.>",
     f"{ROOT}.node.*.status",
+    f"{ROOT}.rollout.>",
     f"{ROOT}.dlq.>",
 )
 ALL_EVENTS = f"{ROOT}.>"
@@ -70,6 +71,10 @@ def node_install(node: str) -> str:
     return f"{ROOT}.node.{encode_token(node)}.install"
 
 
+def rollout(rollout_id: str) -> str:
+    return f"{ROOT}.rollout.{encode_token(rollout_id)}"
+
+
 def dlq(service: str) -> str:
     return f"{ROOT}.dlq.{encode_token(service)}"
 
@@ -80,6 +85,7 @@ ALL_PODS = f"{ROOT}.pod.>"
 ALL_HEALTH = f"{ROOT}.health.>"
 ALL_USAGE = f"{ROOT}.usage.>"
 ALL_NODE_STATUS = f"{ROOT}.node.*.status"
+ALL_ROLLOUTS = f"{ROOT}.rollout.>"
 ALL_DLQ = f"{ROOT}.dlq.>"
 
 
@@ -92,6 +98,7 @@ class Subject:
     pod: str | None = None
     node: str | None = None
     service: str | None = None
+    rollout: str | None = None
 
 
 def parse(subject: str) -> Subject:
@@ -107,6 +114,8 @@ def parse(subject: str) -> Subject:
     if kind == "node" and len(names) == 2 and tokens[3] in ("status", "inspect", "install"):
         node_kind = "node-status" if tokens[3] == "status" else tokens[3]
         return Subject(node_kind, node=names[0])  # type: ignore[arg-type]
+    if kind == "rollout" and len(names) == 1:
+        return Subject("rollout", rollout=names[0])
     if kind == "dlq" and len(names) == 1:
         return Subject("dlq", service=names[0])
     raise DecodeError(f"not an isolator subject: {subject!r}")

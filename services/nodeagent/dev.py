@@ -1,0 +1,37 @@
+"""`kai-isolator dev` component: a node agent on a temp host root, installing hami-core's build."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .agent import NodeAgent
+from .settings import NodeAgentSettings
+
+if TYPE_CHECKING:  # services.dev imports this module
+    from kai_isolator.services.dev import DevContext
+
+log = logging.getLogger(__name__)
+LIBRARY = Path(__file__).resolve().parents[2] / "hami-core" / "build" / "libvgpu.so"
+
+
+@contextlib.asynccontextmanager
+async def component(ctx: DevContext) -> AsyncIterator[None]:
+    node = str(ctx.values.get("node_name") or "gpu-node-1")
+    root = ctx.workdir / f"host-{node}"
+    root.mkdir(parents=True, exist_ok=True)
+    libraries = [LIBRARY] if LIBRARY.is_file() else []
+    if not libraries:
+        log.warning("hami-core/build/libvgpu.so missing (run make -C hami-core); the agent starts with nothing to install")
+    settings = NodeAgentSettings(node_name=node, host_root=root, library=libraries, status_interval_s=15, usage_interval_s=5)
+    agent = NodeAgent(settings, ctx.bus, probe_listen="127.0.0.1:0")
+    await agent.start(ctx.nats_url)
+    ctx.values.update(node_name=node, host_root=root, nodeagent_metrics=f"{agent.runtime.probe_url}/metrics")
+    print(f"node agent {node}: host root {root}, metrics {agent.runtime.probe_url}/metrics", flush=True)
+    try:
+        yield
+    finally:
+        await agent.stop()
