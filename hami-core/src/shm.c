@@ -361,18 +361,31 @@ static void unlock_shared(void) {
     pthread_mutex_unlock(&shm_lock);
 }
 
+/* Our slot, or NULL when we have none or it was taken from us (a rebuild that judged us
+ * dead: then its charges went with it and must not be released twice). */
+static struct vgpu_shm_slot *own_slot(void) {
+    struct vgpu_shm_slot *slot = __atomic_load_n(&my_slot, __ATOMIC_ACQUIRE);
+    return slot && __atomic_load_n(&slot->pid, __ATOMIC_RELAXED) == my_pid ? slot : NULL;
+}
+
 static int reserve_locked(int idx, uint64_t bytes) {
-    if (!my_slot && !(my_slot = register_slot())) {
+    struct vgpu_shm_slot *slot = own_slot();
+    if (!slot) {
+        __atomic_store_n(&my_slot, NULL, __ATOMIC_RELEASE);
+        slot = register_slot();
+        __atomic_store_n(&my_slot, slot, __ATOMIC_RELEASE);
+    }
+    if (!slot) {
         vgpu_log(VGPU_LOG_ERROR, "no free process slot in %s", shm_path());
         return 0;
     }
-    int r = try_reserve(my_slot, idx, bytes);
-    if (r != FIT && rebuild() > 0) r = try_reserve(my_slot, idx, bytes);
+    int r = try_reserve(slot, idx, bytes);
+    if (r != FIT && rebuild() > 0) r = try_reserve(slot, idx, bytes);
     return r == FIT;
 }
 
 int vgpu_shm_reserve(int idx, uint64_t bytes) {
-    struct vgpu_shm_slot *slot = __atomic_load_n(&my_slot, __ATOMIC_ACQUIRE);
+    struct vgpu_shm_slot *slot = own_slot();
     if (slot && try_reserve(slot, idx, bytes) == FIT) return 1;
     if (lock_shared() != 0) return 0;
     int ok = reserve_locked(idx, bytes);
@@ -381,9 +394,9 @@ int vgpu_shm_reserve(int idx, uint64_t bytes) {
 }
 
 void vgpu_shm_release(int idx, uint64_t bytes) {
-    struct vgpu_shm_slot *slot = __atomic_load_n(&my_slot, __ATOMIC_ACQUIRE);
+    struct vgpu_shm_slot *slot = own_slot();
     if (!slot || try_release(slot, idx, bytes) == FIT || lock_shared() != 0) return;
-    if (my_slot) try_release(my_slot, idx, bytes); /* not frozen while we hold the lock */
+    if ((slot = own_slot())) try_release(slot, idx, bytes); /* not frozen while we hold the lock */
     unlock_shared();
 }
 
