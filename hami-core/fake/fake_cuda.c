@@ -161,7 +161,11 @@ static void reap(void) {
     for (int d = 0; d <= MAX_DEVICES; d++) atomic_store(&shared->devices[d].used, sums[d]);
 }
 
+/* A record with our pid that is not ours is the image we exec'd from: exec freed its memory. */
 static struct shared_proc *claim_proc(void) {
+    int pid = getpid();
+    for (int i = 0; i < SHARED_PROCS; i++)
+        if (shared->procs[i].pid == pid) memset(&shared->procs[i], 0, sizeof shared->procs[i]);
     for (int i = 0; i < SHARED_PROCS; i++) {
         struct shared_proc *p = &shared->procs[i];
         if (p->pid) continue;
@@ -177,8 +181,8 @@ static struct shared_proc *claim_proc(void) {
 static CUresult shared_charge(struct device *d, int dev, uint64_t bytes) {
     CUresult rc = CUDA_ERROR_OUT_OF_MEMORY;
     shared_lock(F_WRLCK);
-    reap();
     if (!me) me = claim_proc();
+    reap();
     unsigned long long used = atomic_load(&d->used);
     if (me && bytes <= device_total - used) {
         me->used[dev] += bytes;

@@ -53,6 +53,7 @@ struct slot {
 static struct api api;
 static struct slot slots[4096];
 static int nslots;
+static char path_arg[64] = "--path=link";
 static void *cuda;
 
 static void link_api(void) {
@@ -392,6 +393,15 @@ static int run(char **argv, int argc, int i) {
     if (!strcmp(c, "procaddr") && left >= 3)
         return print_procaddr(ARG(1), (int)num(ARG(2)), num(ARG(3))), 4;
     if (!strcmp(c, "race") && left >= 3) return race((int)num(ARG(1)), (int)num(ARG(2)), num(ARG(3))), 4;
+    if (!strcmp(c, "exec") && left >= 1) { /* the rest of the line becomes a new image, same pid */
+        char *args[64] = {argv[0], path_arg};
+        int n = 2;
+        for (int k = i + 1; k < argc && n < 63; k++) args[n++] = argv[k];
+        args[n] = NULL;
+        fflush(stdout);
+        execv(strchr(argv[0], '/') ? argv[0] : "/proc/self/exe", args); /* argv[0]: valgrind follows it */
+        return printf("exec failed\n"), argc - i;
+    }
     if (!strcmp(c, "crashstate") && left >= 1) return cmd_crashstate(num(ARG(1))), 2;
     if (!strcmp(c, "waitfile") && left >= 1) return cmd_waitfile(ARG(1)), 2;
     if (!strcmp(c, "hold") && left >= 1) {
@@ -423,6 +433,7 @@ int main(int argc, char **argv) {
     int i = 1;
     const char *path = "link";
     if (i < argc && !strncmp(argv[i], "--path=", 7)) path = argv[i++] + 7;
+    snprintf(path_arg, sizeof path_arg, "--path=%s", path);
     if (i < argc && !strcmp(argv[i], "--ptds")) {
         proc_flags = CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
         i++;

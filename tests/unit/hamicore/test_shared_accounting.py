@@ -183,6 +183,16 @@ def test_fork_child_gets_its_own_slot_and_its_usage_goes_when_it_exits(tmp_path:
     assert int(result.fields("info")["free"]) == MIB  # the exited child's MiB was reclaimed
 
 
+def test_an_execd_image_reattaches_and_its_predecessors_memory_is_free(tmp_path: Path) -> None:
+    env = shared_env(tmp_path)
+    result = probe("alloc", str(600 * MIB), "exec", "init", "ctx", "0", "alloc", str(600 * MIB), "info", "fake", "0",
+                   env=env)
+    assert result.rcs("alloc") == [0, 0]  # the exec freed the first 600 MiB (as the driver does)
+    assert int(result.fields("info")["free"]) == GIB_BYTES - 600 * MIB
+    assert int(result.fields("fake")["used"]) == 600 * MIB
+    assert len(read_usage(env["CUDA_DEVICE_MEMORY_SHARED_CACHE"]).processes) == 1  # one pid, one slot
+
+
 def test_thousands_of_short_processes_do_not_exhaust_slots(tmp_path: Path) -> None:
     env = base_env(shared_env(tmp_path))
     argv = [str(TESTS_DIR / "cuprobe"), "init", "ctx", "0", "alloc", "1000", "hold", "0"]
