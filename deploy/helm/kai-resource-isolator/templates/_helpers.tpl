@@ -1,0 +1,153 @@
+{{/* Names, labels, images and the security settings every template shares. */}}
+
+{{- define "kri.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kri.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kri.namespace" -}}
+{{- default .Release.Namespace .Values.namespaceOverride -}}
+{{- end -}}
+
+{{- define "kri.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kai-resource-isolator
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end -}}
+
+{{/* Selector labels of one component: (dict "ctx" $ "component" "webhook") */}}
+{{- define "kri.selector" -}}
+app.kubernetes.io/name: {{ include "kri.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "kri.componentLabels" -}}
+{{ include "kri.labels" .ctx }}
+{{ include "kri.selector" . }}
+{{- end -}}
+
+{{/* An image reference: (dict "ctx" $ "image" .Values.image) */}}
+{{- define "kri.image" -}}
+{{- $registry := default .image.registry .ctx.Values.global.imageRegistry -}}
+{{- $tag := default .ctx.Chart.AppVersion .image.tag -}}
+{{- if $registry -}}
+{{- printf "%s/%s:%s" $registry .image.repository $tag -}}
+{{- else -}}
+{{- printf "%s:%s" .image.repository $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kri.imagePullSecrets" -}}
+{{- with .Values.global.imagePullSecrets }}
+imagePullSecrets:
+{{- range . }}
+  - name: {{ if kindIs "map" . }}{{ .name }}{{ else }}{{ . }}{{ end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "kri.natsUrl" -}}
+{{- default (printf "nats://nats.%s.svc:4222" (include "kri.namespace" .)) .Values.bus.url -}}
+{{- end -}}
+
+{{/* Pod-level security of every non-root service (Pod Security Standard `restricted`). */}}
+{{- define "kri.podSecurity" -}}
+securityContext:
+  runAsNonRoot: true
+  runAsUser: 65532
+  runAsGroup: 65532
+  seccompProfile:
+    type: RuntimeDefault
+{{- end -}}
+
+{{- define "kri.containerSecurity" -}}
+securityContext:
+  allowPrivilegeEscalation: false
+  readOnlyRootFilesystem: true
+  runAsNonRoot: true
+  capabilities:
+    drop: [ALL]
+{{- end -}}
+
+{{/* envFrom + env of a service on the bus; (dict "ctx" $ "probes" true) adds the probe listener. */}}
+{{- define "kri.busEnv" -}}
+{{- $v := .ctx.Values -}}
+{{- $env := list -}}
+{{- if .probes }}{{ $env = append $env (dict "name" "KAI_ISOLATOR_PROBE_LISTEN" "value" "0.0.0.0:8081") }}{{ end -}}
+{{- if $v.bus.credsSecret }}{{ $env = append $env (dict "name" "KAI_ISOLATOR_NATS_CREDS_FILE" "value" "/etc/nats-creds/nats.creds") }}{{ end -}}
+{{- if $v.bus.tlsSecret -}}
+{{- $env = append $env (dict "name" "KAI_ISOLATOR_NATS_TLS_CA_FILE" "value" "/etc/nats-tls/ca.crt") -}}
+{{- if $v.bus.tlsClientCert -}}
+{{- $env = append $env (dict "name" "KAI_ISOLATOR_NATS_TLS_CERT_FILE" "value" "/etc/nats-tls/tls.crt") -}}
+{{- $env = append $env (dict "name" "KAI_ISOLATOR_NATS_TLS_KEY_FILE" "value" "/etc/nats-tls/tls.key") -}}
+{{- end -}}
+{{- end -}}
+{{- $env = concat $env (.extra | default list) -}}
+envFrom:
+  - configMapRef:
+      name: {{ include "kri.fullname" .ctx }}-config
+{{- with $v.bus.envSecret }}
+  - secretRef:
+      name: {{ . }}
+{{- end }}
+{{- with $env }}
+env:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "kri.busMounts" -}}
+{{- if .Values.bus.credsSecret }}
+- name: nats-creds
+  mountPath: /etc/nats-creds
+  readOnly: true
+{{- end }}
+{{- if .Values.bus.tlsSecret }}
+- name: nats-tls
+  mountPath: /etc/nats-tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "kri.busVolumes" -}}
+{{- with .Values.bus.credsSecret }}
+- name: nats-creds
+  secret:
+    secretName: {{ . }}
+{{- end }}
+{{- with .Values.bus.tlsSecret }}
+- name: nats-tls
+  secret:
+    secretName: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{/* PDB availability, upstream's precedence: a valid maxUnavailable, else a valid minAvailable, else minAvailable 1. */}}
+{{- define "kri.pdbAvailability" -}}
+{{- $pdb := .Values.webhook.podDisruptionBudget -}}
+{{- if not (kindIs "map" $pdb) }}{{ $pdb = dict }}{{ end -}}
+{{- $valid := "^([0-9]{1,9}|[0-9]{1,2}%|100%)$" -}}
+{{- $max := toString (index $pdb "maxUnavailable") -}}
+{{- $min := toString (index $pdb "minAvailable") -}}
+{{- if and (hasKey $pdb "maxUnavailable") (regexMatch $valid $max) -}}
+maxUnavailable: {{ if hasSuffix "%" $max }}{{ $max | quote }}{{ else }}{{ $max | atoi }}{{ end }}
+{{- else if and (hasKey $pdb "minAvailable") (regexMatch $valid $min) -}}
+minAvailable: {{ if hasSuffix "%" $min }}{{ $min | quote }}{{ else }}{{ $min | atoi }}{{ end }}
+{{- else -}}
+minAvailable: 1
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,116 @@
+"""Every shipped rendering is valid Kubernetes for 1.29-1.33; helm lint passes; chart and kustomize agree; PDB values behave."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import kubernetes_validate
+import pytest
+from conftest import CHART, HELM_OPTIONAL, HELM_VARIANTS, KUSTOMIZE_VARIANTS, Docs, containers, pod_specs, set_flags
+from deploy_tools import ToolError
+
+KUBE_VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0"]
+VARIANTS = [*KUSTOMIZE_VARIANTS, *HELM_VARIANTS]
+# Custom resources have no upstream schema; these are the only ones we ship, checked by hand below.
+CUSTOM_KINDS = {("cert-manager.io/v1", "Issuer"), ("cert-manager.io/v1", "Certificate")}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_every_object_validates_strictly(rendered: dict[str, Docs], variant: str, kube_version: str) -> None:
+    docs = rendered[variant]
+    assert docs, f"{variant} rendered nothing"
+    for doc in docs:
+        if (doc["apiVersion"], doc["kind"]) in CUSTOM_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(doc, kube_version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"{variant}: {doc['kind']}/{doc['metadata']['name']} invalid for {kube_version} at "
+                        f"{'.'.join(map(str, error.path))}: {error.message}")
+
+
+@pytest.mark.parametrize("variant", ["kustomize/cert-manager", "helm/optional"])
+def test_cert_manager_objects_are_well_formed(rendered: dict[str, Docs], variant: str) -> None:
+    docs = rendered[variant]
+    issuers = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Issuer"}
+    certificates = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Certificate"}
+    assert set(((d["apiVersion"], d["kind"]) for d in docs if d["apiVersion"].startswith("cert-manager.io"))) <= CUSTOM_KINDS
+    for cert in certificates.values():
+        assert cert["spec"]["issuerRef"]["name"] in issuers and cert["spec"]["secretName"]
+    serving = next(c for c in certificates.values() if not c["spec"].get("isCA"))
+    ca = next(c for c in certificates.values() if c["spec"].get("isCA"))
+    ca_issuer = issuers[serving["spec"]["issuerRef"]["name"]]
+    assert ca_issuer["spec"]["ca"]["secretName"] == ca["spec"]["secretName"]
+    webhook = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-webhook"))
+    secret_names = {v["secret"]["secretName"] for v in webhook["spec"]["template"]["spec"]["volumes"] if "secret" in v}
+    assert serving["spec"]["secretName"] in secret_names
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-webhook"))
+    ns = service["metadata"]["namespace"]
+    assert f"{service['metadata']['name']}.{ns}.svc" in serving["spec"]["dnsNames"]
+    mwc = next(d for d in docs if d["kind"] == "MutatingWebhookConfiguration")
+    assert mwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == f"{ns}/{serving['metadata']['name']}"
+    assert not [d for d in docs if d["kind"] == "Job" and d["metadata"]["name"].endswith("-certs")], "certs Job next to cert-manager"
+
+
+@pytest.mark.parametrize("values", [{}, HELM_OPTIONAL], ids=["default", "optional"])
+def test_helm_lint_strict(helm: Callable[..., str], values: dict[str, str]) -> None:
+    out = helm("lint", "--strict", str(CHART), *set_flags(values))
+    assert "0 chart(s) failed" in out
+
+
+def _shape(docs: Docs) -> dict[tuple[str, str], dict]:
+    """What must match between chart and kustomize: each object's identity and each container's command line."""
+    shape = {}
+    for doc in docs:
+        if doc["kind"] == "Namespace":
+            continue  # helm installs into a namespace it does not own (--create-namespace)
+        entry: dict = {}
+        for _, spec in pod_specs([doc]):
+            entry = {c["name"]: c.get("args", []) for c in containers(spec)}
+        if doc["kind"] in ("ClusterRole", "Role"):
+            entry = {"rules": doc["rules"]}
+        shape[(doc["kind"], doc["metadata"]["name"])] = entry
+    return shape
+
+
+def test_chart_defaults_render_what_the_kustomize_base_renders(rendered: dict[str, Docs]) -> None:
+    assert _shape(rendered["helm/default"]) == _shape(rendered["kustomize/base"])
+
+
+def test_chart_with_cert_manager_matches_the_overlay(render_helm: Callable[..., Docs], rendered: dict[str, Docs]) -> None:
+    chart = render_helm({"tls.certManager.enabled": "true", "tls.patch.enabled": "false"})
+    assert _shape(chart) == _shape(rendered["kustomize/cert-manager"])
+
+
+def _pdbs(docs: Docs) -> list[dict]:
+    return [d["spec"] for d in docs if d["kind"] == "PodDisruptionBudget"]
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    ({"webhook.replicaCount": "1"}, []),
+    ({}, [{"minAvailable": 1}]),
+    ({"webhook.podDisruptionBudget.maxUnavailable": "0"}, [{"maxUnavailable": 0}]),
+    ({"webhook.podDisruptionBudget.maxUnavailable": "50%"}, [{"maxUnavailable": "50%"}]),
+    ({"webhook.podDisruptionBudget.minAvailable": "2"}, [{"minAvailable": 2}]),
+    ({"webhook.podDisruptionBudget.minAvailable": "null"}, [{"minAvailable": 1}]),
+    ({"webhook.podDisruptionBudget": "null"}, [{"minAvailable": 1}]),
+    ({"webhook.podDisruptionBudget.maxUnavailable": "abc"}, [{"minAvailable": 1}]),
+    ({"webhook.podDisruptionBudget.maxUnavailable": "-1"}, [{"minAvailable": 1}]),
+    ({"webhook.podDisruptionBudget.maxUnavailable": "150%"}, [{"minAvailable": 1}]),
+    ({"webhook.podDisruptionBudget.maxUnavailable": "2147483648"}, [{"minAvailable": 1}]),
+], ids=lambda v: str(v))
+def test_pdb_follows_upstream_precedence(render_helm: Callable[..., Docs], values: dict[str, str], expected: list[dict]) -> None:
+    got = [{k: v for k, v in spec.items() if k != "selector"} for spec in _pdbs(render_helm(values))]
+    assert got == expected
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"webhook.failurePolicy": "Sometimes"}, "webhook.failurePolicy must be Fail or Ignore"),
+    ({"webhook.policy": "strict"}, "webhook.policy must be enforce, warn or off"),
+    ({"verifier.onMissing": "evict"}, "verifier.onMissing must be warn or annotate"),
+    ({"installer.rollout.version": "v1.2"}, "installer.rollout.version must be 16 lowercase hex digits"),
+])
+def test_bad_values_fail_with_a_clear_message(render_helm: Callable[..., Docs], values: dict[str, str], message: str) -> None:
+    with pytest.raises(ToolError, match=message):
+        render_helm(values)
