@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 @contextlib.asynccontextmanager
 async def component(ctx: DevContext) -> AsyncIterator[None]:
     kubeconfig = ctx.values.get("kubeconfig")
-    settings = VerifierSettings(kubeconfig=kubeconfig, kubernetes_events=kubeconfig is not None, reverify_s=30)
+    settings = VerifierSettings(kubeconfig=kubeconfig, kubernetes_events=kubeconfig is not None, reverify_s=30, pending_retry_s=1)
     async with running(settings, ctx.bus, ctx.nats_url) as verifier:
         ctx.values["verifier"] = verifier
         yield
