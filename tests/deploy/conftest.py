@@ -31,7 +31,7 @@ HELM_OPTIONAL = {
     "webhook.replicaCount": "3", "webhook.podDisruptionBudget.maxUnavailable": "1", "webhook.podLabels.team": "gpu",
     "webhook.podAnnotations.note": "x", "nodeAgent.podLabels.team": "gpu", "webhook.nodeSelector.pool": "system",
     "webhook.tolerations[0].operator": "Exists", "watcher.nodeSelector.pool": "system", "paths.containerVgpuMount": "/opt/vgpu",
-    "paths.stateDir": "/var/lib/kri", "webhook.policy": "enforce", "webhook.allowPodOptOut": "false",
+"webhook.policy": "enforce", "webhook.allowPodOptOut": "false",
 }
 HELM_VARIANTS = {
     "helm/default": {},

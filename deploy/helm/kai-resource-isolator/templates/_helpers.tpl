@@ -60,6 +60,11 @@ imagePullSecrets:
 {{- end }}
 {{- end -}}
 
+{{/* The node agent's state directory on every node (fixed by the agent; per-container state is in <it>/containers). */}}
+{{- define "kri.stateDir" -}}
+/var/lib/kai-isolator
+{{- end -}}
+
 {{- define "kri.natsUrl" -}}
 {{- default (printf "nats://nats.%s.svc:4222" (include "kri.namespace" .)) .Values.bus.url -}}
 {{- end -}}

@@ -1,0 +1,318 @@
+"""Manifests, chart and compose say what the code means: real subcommands and flags (parsed by the real CLI),
+real env names (from the settings classes), matching ports, paths, probe routes, Secret and Service names."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io
+import re
+from pathlib import Path, PurePosixPath
+
+import pytest
+import yaml
+from aiohttp import web
+from conftest import REPO, Docs, containers, pod_specs
+from prometheus_client import CollectorRegistry
+from pydantic_settings import BaseSettings
+
+from kai_isolator.services import registry
+from kai_isolator.services.admission.server import AdmissionServer
+from kai_isolator.services.admission.settings import AdmissionSettings
+from kai_isolator.services.certs.settings import CertsSettings
+from kai_isolator.services.cli import build_parser
+from kai_isolator.services.nodeagent.layout import HostLayout
+from kai_isolator.services.nodeagent.settings import NodeAgentSettings
+from kai_isolator.shared.probes import add_probe_routes
+from kai_isolator.shared.settings import BusSettings, ProbeSettings, load, split_host_port
+
+COMPOSE = REPO / "docker-compose.yml"
+NODEAGENT_DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile.nodeagent"
+ALL_VARIANTS = ["kustomize/base", "kustomize/cert-manager", "kustomize/dev", "helm/default", "helm/optional", "helm/minimal"]
+
+
+def settings_classes() -> list[type[BaseSettings]]:
+    """Every settings class of the shared package and of each service that has one."""
+    modules = [importlib.import_module("kai_isolator.shared.settings")]
+    for service in registry.SERVICES:
+        with contextlib.suppress(ModuleNotFoundError):
+            modules.append(importlib.import_module(f"kai_isolator.services.{service}.settings"))
+    return [obj for m in modules for obj in vars(m).values()
+            if isinstance(obj, type) and issubclass(obj, BaseSettings) and obj.__module__ == m.__name__]
+
+
+def env_fields() -> dict[str, tuple[type[BaseSettings], str]]:
+    """KAI_ISOLATOR_* name -> (settings class, field), as pydantic-settings reads them."""
+    found = {}
+    for cls in settings_classes():
+        prefix = cls.model_config.get("env_prefix", "")
+        for field in cls.model_fields:
+            found[(prefix + field).upper()] = (cls, field)
+    return found
+
+
+ENV_FIELDS = env_fields()
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The real CLI's parse, with argparse's complaint as the failure message."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return build_parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"`kai-isolator {' '.join(argv)}` does not parse: {err.getvalue().strip()}")
+
+
+def subcommands() -> set[str]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return set(action.choices)
+
+
+def config_maps(docs: Docs) -> dict[str, dict[str, str]]:
+    return {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+
+
+def container_env(container: dict, docs: Docs) -> dict[str, str]:
+    """Literal env the container gets (ConfigMap envFrom, then env values); valueFrom fields map to a marker."""
+    env: dict[str, str] = {}
+    maps = config_maps(docs)
+    for source in container.get("envFrom", []):
+        if "configMapRef" in source:
+            name = source["configMapRef"]["name"]
+            assert name in maps, f"envFrom names ConfigMap {name}, which is not rendered"
+            env.update(maps[name])
+    for item in container.get("env", []):
+        env[item["name"]] = item.get("value", "<valueFrom>")
+    return env
+
+
+def effective(cls: type[BaseSettings], args: argparse.Namespace, env: dict[str, str]) -> BaseSettings:
+    """The settings the service would load: env from the manifest, flags win, like `load()` in the service."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in [n for n in __import__("os").environ if n.startswith("KAI_ISOLATOR_")]:
+            mp.delenv(name)
+        for name, value in env.items():
+            if value != "<valueFrom>":
+                mp.setenv(name, value)
+        return load(cls, args)
+
+
+def ours(container: dict) -> bool:
+    return "kai-isolator" in container["image"]
+
+
+def our_containers(docs: Docs) -> list[tuple[dict, dict, dict]]:
+    return [(doc, spec, c) for doc, spec in pod_specs(docs) for c in containers(spec) if ours(c)]
+
+
+def port_of(container: dict, name: str) -> int:
+    ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+    assert name in ports, f"{container['name']} has no port named {name}: {ports}"
+    return ports[name]
+
+
+def routes(app: web.Application) -> set[str]:
+    return {r.canonical for r in app.router.resources()}
+
+
+def probe_routes() -> set[str]:
+    """What shared/probes.py serves on every bus service's probe port."""
+    app = web.Application()
+    add_probe_routes(app, CollectorRegistry(), lambda: [])
+    return routes(app)
+
+
+PROBE_ROUTES = probe_routes()
+
+
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+def test_every_container_runs_a_real_subcommand_with_real_flags(rendered: dict[str, Docs], variant: str) -> None:
+    known = subcommands()
+    seen = set()
+    for doc, _, container in our_containers(rendered[variant]):
+        assert "command" not in container, f"{doc['metadata']['name']}: override args, keep the image's entrypoint"
+        args = container["args"]
+        assert args[0] in known, f"{doc['metadata']['name']} runs `kai-isolator {args[0]}`, not a subcommand ({sorted(known)})"
+        parse(args)
+        seen.add(args[0])
+    expected = {"admission", "nodeagent"}
+    expected |= {"certs"} if variant in ("kustomize/base", "kustomize/dev", "helm/default", "helm/minimal") else set()
+    expected |= set() if variant == "helm/minimal" else {"watcher", "verifier"}
+    assert expected <= seen, f"{variant} lacks {expected - seen}"
+
+
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+def test_every_env_name_is_a_settings_field_and_its_value_loads(rendered: dict[str, Docs], variant: str) -> None:
+    docs = rendered[variant]
+    for doc, _, container in our_containers(docs):
+        for name, value in container_env(container, docs).items():
+            assert name in ENV_FIELDS, f"{doc['metadata']['name']}: env {name} is read by no settings class"
+            if value != "<valueFrom>":
+                cls, field = ENV_FIELDS[name]
+                effective(cls, argparse.Namespace(), {name: value})  # raises ConfigError on a bad value
+    for data in config_maps(docs).values():
+        unknown = [k for k in data if k.startswith("KAI_ISOLATOR_") and k not in ENV_FIELDS]
+        assert not unknown, f"ConfigMap keys no settings class reads: {unknown}"
+
+
+def _one(docs: Docs, kind: str, suffix: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
+    assert len(found) == 1, f"expected one {kind} *{suffix}, found {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def _container(docs: Docs, kind: str, suffix: str) -> tuple[dict, dict]:
+    doc = _one(docs, kind, suffix)
+    spec = doc["spec"]["template"]["spec"]
+    return spec, next(c for c in spec["containers"] if ours(c))
+
+
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+def test_webhook_port_tls_paths_and_probes_match_the_server(rendered: dict[str, Docs], variant: str) -> None:
+    docs = rendered[variant]
+    spec, container = _container(docs, "Deployment", "-webhook")
+    args = parse(container["args"])
+    settings = effective(AdmissionSettings, args, container_env(container, docs))
+    assert split_host_port(settings.listen)[1] == port_of(container, "https")
+    served = routes(AdmissionServer(settings).build_app())
+    for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+        get = container[probe]["httpGet"]
+        assert (get["path"], get["port"], get["scheme"]) == (path, "https", "HTTPS") and path in served
+    service = _one(docs, "Service", "-webhook")
+    assert service["spec"]["selector"].items() <= _one(docs, "Deployment", "-webhook")["spec"]["template"]["metadata"]["labels"].items()
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] == "https"
+    mwc = _one(docs, "MutatingWebhookConfiguration", "-mutating")
+    (hook,) = mwc["webhooks"]
+    target = hook["clientConfig"]["service"]
+    assert (target["name"], target["namespace"], target["port"]) == (service["metadata"]["name"], service["metadata"]["namespace"], port["port"])
+    assert target["path"] in served
+    # The TLS pair comes from the Secret mounted where the flags point.
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for file in (settings.tls_cert_file, settings.tls_private_key_file):
+        volume = volumes[mounts[str(PurePosixPath(file).parent)]]
+        assert volume["secret"]["secretName"].endswith("-webhook-tls")
+
+
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+def test_bus_services_probe_where_they_listen(rendered: dict[str, Docs], variant: str) -> None:
+    docs = rendered[variant]
+    checked = 0
+    for doc, _, container in our_containers(docs):
+        if container["args"][0] not in ("watcher", "verifier", "nodeagent"):
+            continue
+        probe = effective(ProbeSettings, parse(container["args"]), container_env(container, docs))
+        assert split_host_port(probe.probe_listen)[1] == port_of(container, "probes"), doc["metadata"]["name"]
+        for kind, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+            get = container[kind]["httpGet"]
+            assert (get["path"], get["port"], get.get("scheme", "HTTP")) == (path, "probes", "HTTP") and path in PROBE_ROUTES
+        checked += 1
+    assert checked >= (1 if variant == "helm/minimal" else 3)
+
+
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+def test_library_and_state_paths_agree_between_webhook_agent_and_image(rendered: dict[str, Docs], variant: str) -> None:
+    docs = rendered[variant]
+    _, webhook = _container(docs, "Deployment", "-webhook")
+    admission = effective(AdmissionSettings, parse(webhook["args"]), container_env(webhook, docs))
+    spec, agent_container = _container(docs, "DaemonSet", "-nodeagent")
+    agent = effective(NodeAgentSettings, parse(agent_container["args"]), container_env(agent_container, docs))
+    assert agent.container_vgpu_mount == admission.container_vgpu_mount
+    # Host paths as the agent sees them (under --host-root) must be the hostPath volumes mounted there.
+    host_paths = {}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for mount in agent_container["volumeMounts"]:
+        if "hostPath" in volumes[mount["name"]]:
+            inside = PurePosixPath(mount["mountPath"])
+            host_paths[str(PurePosixPath("/") / inside.relative_to(agent.host_root))] = volumes[mount["name"]]["hostPath"]["path"]
+    assert all(k == v for k, v in host_paths.items()), f"agent sees host paths at other places: {host_paths}"
+    layout = HostLayout.__new__(HostLayout)  # path arithmetic only: the host root does not exist here
+    object.__setattr__(layout, "host_root", Path("/"))
+    object.__setattr__(layout, "mount", agent.container_vgpu_mount)
+    assert str(layout.install_dir) in host_paths, "the library directory is not a hostPath of the agent"
+    assert str(layout.containers_dir) == admission.state_dir, "the webhook's state dir is not where the agent keeps container state"
+    assert any(admission.state_dir.startswith(p + "/") for p in host_paths), "the state dir is not a hostPath of the agent"
+    # The library the agent installs is the one the node agent image carries.
+    copied = re.findall(r"^COPY --from=libvgpu \S+ (\S+)$", NODEAGENT_DOCKERFILE.read_text(), re.M)
+    assert [str(p) for p in agent.library] == copied
+
+
+@pytest.mark.parametrize("variant", ["kustomize/base", "kustomize/dev", "helm/default"])
+def test_certs_job_targets_the_webhook_secret_service_and_configuration(rendered: dict[str, Docs], variant: str) -> None:
+    docs = rendered[variant]
+    _, container = _container(docs, "Job", "-certs")
+    certs = effective(CertsSettings, parse(container["args"]), container_env(container, docs))
+    service = _one(docs, "Service", "-webhook")
+    spec, _ = _container(docs, "Deployment", "-webhook")
+    tls_secrets = {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+    assert certs.namespace == service["metadata"]["namespace"] and certs.service_name == service["metadata"]["name"]
+    assert certs.secret_name in tls_secrets
+    assert certs.webhook_config == _one(docs, "MutatingWebhookConfiguration", "-mutating")["metadata"]["name"]
+    role = _one(docs, "Role", "-certs")
+    assert any(certs.secret_name in r.get("resourceNames", []) for r in role["rules"])
+    cluster_role = _one(docs, "ClusterRole", "-certs")
+    assert cluster_role["rules"][0]["resourceNames"] == [certs.webhook_config]
+
+
+@pytest.mark.parametrize("variant", ["kustomize/base", "kustomize/dev", "helm/default", "helm/optional"])
+def test_nats_url_names_the_in_cluster_service(rendered: dict[str, Docs], variant: str) -> None:
+    docs = rendered[variant]
+    _, container = _container(docs, "Deployment", "-watcher")
+    bus = effective(BusSettings, parse(container["args"]), container_env(container, docs))
+    (url,) = bus.urls()
+    match = re.fullmatch(r"nats://([a-z0-9-]+)\.([a-z0-9-]+)\.svc:(\d+)", url)
+    assert match, url
+    name, namespace, port = match.groups()
+    assert namespace == _one(docs, "Service", "-webhook")["metadata"]["namespace"]
+    nats = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == name]
+    if variant in ("kustomize/dev", "helm/optional"):  # the variants that bring their own NATS
+        assert [p["port"] for p in nats[0]["spec"]["ports"] if p["name"] == "client"] == [int(port)]
+    else:
+        assert not nats and (name, port) == ("nats", "4222"), "production expects the official NATS chart as release `nats`"
+
+
+def _interpolate(value: str) -> str:
+    """Compose's ${VAR:-default} with every variable unset."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+
+
+def test_compose_runs_real_commands_with_real_env() -> None:
+    compose = yaml.safe_load(COMPOSE.read_text())
+    services = compose["services"]
+    for name, service in services.items():
+        assert "healthcheck" in service or service.get("restart") == "no", f"compose service {name} has no healthcheck"
+        for dependency, condition in service.get("depends_on", {}).items():
+            assert dependency in services, f"{name} depends on unknown {dependency}"
+            wanted = "service_completed_successfully" if services[dependency].get("restart") == "no" else "service_healthy"
+            assert condition["condition"] == wanted, f"{name} -> {dependency}"
+        if "kai-isolator" not in service["image"]:
+            continue
+        argv = [_interpolate(a) for a in service["command"]]
+        args = parse(argv)
+        env = {k: str(v) for k, v in service.get("environment", {}).items()}
+        for key, value in env.items():
+            assert key in ENV_FIELDS, f"compose {name}: env {key} is read by no settings class"
+            effective(ENV_FIELDS[key][0], argparse.Namespace(), {key: value})
+        if argv[0] in ("watcher", "verifier", "nodeagent"):
+            port = split_host_port(effective(ProbeSettings, args, env).probe_listen)[1]
+            assert f"127.0.0.1:{port}/readyz" in " ".join(service["healthcheck"]["test"]), name
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            assert source in compose.get("volumes", {}) or (REPO / source).exists(), f"{name} mounts missing {source}"
+    webhook = effective(AdmissionSettings, parse(services["webhook"]["command"]), {})
+    certs = effective(CertsSettings, parse(services["certs"]["command"]), {})
+    assert certs.out_dir == webhook.tls_cert_file.parent == webhook.tls_private_key_file.parent
+    assert f":{split_host_port(webhook.listen)[1]}/readyz" in " ".join(services["webhook"]["healthcheck"]["test"])
+    manifest = yaml.safe_load((REPO / "deploy/docker/compose/webhook-config.yaml").read_text())
+    assert manifest["metadata"]["name"] == certs.webhook_config
+    url = manifest["webhooks"][0]["clientConfig"]["url"]
+    assert url == f"https://webhook:{split_host_port(webhook.listen)[1]}/mutate" and "webhook" in certs.hosts
+    kubeconfig = yaml.safe_load((REPO / "deploy/docker/compose/kubeconfig.yaml").read_text())
+    sandbox_port = parse(services["sandbox"]["command"]).listen.rsplit(":", 1)[1]
+    assert kubeconfig["clusters"][0]["cluster"]["server"] == f"http://sandbox:{sandbox_port}"
+    agent = effective(NodeAgentSettings, parse(services["nodeagent"]["command"]), {})
+    assert agent.node_name in [n.partition(":")[0] for n in parse(services["sandbox"]["command"]).gpu_nodes]
