@@ -108,6 +108,11 @@ class DecisionPublisher:
         self._tasks: list[asyncio.Task[None]] = []
         self.bus_ready = asyncio.Event()
 
+    @property
+    def pending(self) -> int:
+        """Decisions waiting for the bus."""
+        return self._queue.qsize()
+
     def offer(self, record: DecisionRecord) -> None:
         if self._runtime is None:
             self._metrics.dropped["no_bus"].inc()
@@ -128,10 +133,10 @@ class DecisionPublisher:
             while not self._queue.empty() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # Cancel until done: asyncio.wait_for inside the NATS client can swallow one cancellation.
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=0.1)
         while not self._queue.empty():
             self._queue.get_nowait()
             self._metrics.dropped["publish_failed"].inc()
@@ -175,7 +180,7 @@ class AdmissionServer:
         self._tasks: list[asyncio.Task[None]] = []
         self._serving = False
         self.url = ""
-        self._registry = registry
+        self.registry = registry
 
     def not_ready(self) -> list[str]:
         return [] if self._serving else ["not serving"]
@@ -183,7 +188,7 @@ class AdmissionServer:
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_route("*", "/mutate", self.mutate)
-        add_probe_routes(app, self._registry, self.not_ready)
+        add_probe_routes(app, self.registry, self.not_ready)
         return app
 
     async def start(self) -> None:
