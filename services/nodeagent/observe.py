@@ -63,16 +63,14 @@ class ContainerView:
 
 
 def inspect_container(layout: HostLayout, proc_root: Path, pod: PodRef, container: str) -> ContainerView:
-    """Every host process of the container (matched by the POD_UID / CONTAINER_NAME the webhook injects)."""
+    """Every host process of the container: those carrying the POD_UID / CONTAINER_NAME the webhook
+    injects, and their descendants that cleared their environment (`su -`, `env -i`)."""
     if not _POD_UID.match(pod.uid) or not _CONTAINER.match(container):
         return ContainerView(False, [], [], "pod uid and container name must be Kubernetes names")
     ours = _our_libraries(layout)
     reports: list[ProcessReport] = []
     cache_roots: list[tuple[Path, str]] = []
-    for pid in procscan.pids(proc_root):
-        env = procscan.environ(proc_root, pid)
-        if env is None or env.get("POD_UID") != pod.uid or env.get("CONTAINER_NAME") != container:
-            continue
+    for pid, env in _container_processes(proc_root, pod.uid, container):
         maps = procscan.mapped_files(proc_root, pid)
         if maps is None:
             continue  # exited while we looked: a normal answer, just not this process
@@ -91,6 +89,34 @@ def inspect_container(layout: HostLayout, proc_root: Path, pod: PodRef, containe
     if not found:
         message = "no running process of this container on the node" + (f"; {message}" if message else "")
     return ContainerView(found, reports, devices, message)
+
+
+def _container_processes(proc_root: Path, pod_uid: str, container: str) -> list[tuple[int, dict[str, str]]]:
+    marked: dict[int, dict[str, str]] = {}
+    unmarked: dict[int, dict[str, str]] = {}
+    for pid in procscan.pids(proc_root):
+        env = procscan.environ(proc_root, pid)
+        if env is None:
+            continue
+        if env.get("POD_UID") == pod_uid and env.get("CONTAINER_NAME") == container:
+            marked[pid] = env
+        elif "POD_UID" not in env:
+            unmarked[pid] = env
+    # A descendant without the markers is the container's own process that dropped its
+    # environment (`su -`, `env -i`, an SSH session): it belongs to the report, not outside it.
+    cleared = {pid: env for pid, env in unmarked.items() if _descends_from(proc_root, pid, marked)}
+    return sorted({**marked, **cleared}.items())
+
+
+def _descends_from(proc_root: Path, pid: int, ancestors: dict[int, dict[str, str]]) -> bool:
+    seen = set()
+    current = procscan.parent(proc_root, pid)
+    while current and current > 1 and current not in seen:
+        if current in ancestors:
+            return True
+        seen.add(current)
+        current = procscan.parent(proc_root, current)
+    return False
 
 
 def _our_libraries(layout: HostLayout) -> dict[tuple[tuple[int, int], int], str]:

@@ -65,6 +65,18 @@ def environ(proc_root: Path, pid: int) -> dict[str, str] | None:
     return {key: value for key, sep, value in pairs if sep}
 
 
+def parent(proc_root: Path, pid: int) -> int | None:
+    """The parent pid from /proc/<pid>/stat; None when the process is gone."""
+    try:
+        with open(proc_root / str(pid) / "stat", "rb") as stat:
+            data = stat.read()
+    except OSError:
+        return None
+    # The command name may hold spaces and parentheses: the fields start after the last ')'.
+    fields = data[data.rfind(b")") + 2 :].split()
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+
+
 def identity(path: Path) -> tuple[tuple[int, int], int] | None:
     """(device, inode) of a file as /proc/<pid>/maps spells it; None if it does not exist."""
     try:
