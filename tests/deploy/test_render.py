@@ -6,8 +6,7 @@ from collections.abc import Callable
 
 import kubernetes_validate
 import pytest
-from conftest import CHART, HELM_OPTIONAL, HELM_VARIANTS, KUSTOMIZE_VARIANTS, Docs, containers, pod_specs, set_flags
-from deploy_tools import ToolError
+from deploy_tools import CHART, HELM_OPTIONAL, HELM_VARIANTS, KUSTOMIZE_VARIANTS, Docs, ToolError, containers, pod_specs, set_flags
 
 KUBE_VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0"]
 VARIANTS = [*KUSTOMIZE_VARIANTS, *HELM_VARIANTS]
