@@ -3,8 +3,9 @@ operations that bring the pod to the injected shape (only what is missing or wro
 
 from __future__ import annotations
 
+import operator
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, field as dataclass_field
 from typing import Any
 
 from kai_isolator.shared.errors import IsolatorError
@@ -48,6 +49,7 @@ class Target:
     field: str
     index: int
     container: Json
+    env_names: list[str] = dataclass_field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -73,16 +75,11 @@ class Desired:
     def volume(self, name: str) -> Json | None:
         return next((v for v in self.volumes if v["name"] == name), None)
 
-    def env_var(self, name: str) -> Json | None:
-        return next((e for e in self.env if e["name"] == name), None)
+    def env_by_name(self) -> dict[str, Json]:
+        return {e["name"]: e for e in self.env}
 
 
 # --- reading the pod -------------------------------------------------------------------
-
-
-def pointer_token(token: str | int) -> str:
-    """One RFC 6901 reference token ('~' and '/' escaped)."""
-    return str(token).replace("~", "~0").replace("/", "~1")
 
 
 def clean_path(value: Any, where: str) -> str:
@@ -124,61 +121,88 @@ def asks_opt_out(annotations: dict[str, str]) -> bool:
 def _list_of_objects(value: Any, where: str) -> list[Json]:
     if value is None:
         return []
-    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+    if type(value) is not list or not set(map(type, value)) <= {dict}:
         raise PodUnreadable(f"{where} must be a list of objects")
     return value
 
 
-def spec_of(pod: Json) -> Json:
+def _check_container(container: Json, where: str) -> None:
+    """What we read from every container: its name, its mounts and its security context."""
+    if not isinstance(container.get("name"), str) or not container["name"]:
+        raise PodUnreadable(f"{where}.name must be a non-empty string")
+    for j, mount in enumerate(_list_of_objects(container.get("volumeMounts"), f"{where}.volumeMounts")):
+        clean_path(mount.get("mountPath"), f"{where}.volumeMounts[{j}]")
+        if not isinstance(mount.get("name"), str):
+            raise PodUnreadable(f"{where}.volumeMounts[{j}].name must be a string")
+    if container.get("securityContext") is not None and not isinstance(container["securityContext"], dict):
+        raise PodUnreadable(f"{where}.securityContext must be an object")
+
+
+_NAME = operator.itemgetter("name")
+
+
+def env_names(container: Json, where: str) -> list[str]:
+    """The names of a container's env entries, checked (only the target's env is read)."""
+    env = _list_of_objects(container.get("env"), f"{where}.env")
+    try:
+        names = list(map(_NAME, env))  # C-level: env lists run to hundreds of entries
+    except KeyError:
+        names = [e.get("name") for e in env]
+    if not set(map(type, names)) <= {str}:
+        raise PodUnreadable(f"{where}.env[{next(i for i, n in enumerate(names) if type(n) is not str)}].name must be a string")
+    return names
+
+
+@dataclass(frozen=True)
+class PodView:
+    """A Pod checked once for every field the webhook reads."""
+
+    pod: Json
+    annotations: dict[str, str]
+    spec: Json
+    init_containers: list[Json]
+    containers: list[Json]
+    volumes: list[Json] | None
+
+    def all_containers(self) -> list[tuple[str, int, Json]]:
+        return [("initContainers", i, c) for i, c in enumerate(self.init_containers)] + [("containers", i, c) for i, c in enumerate(self.containers)]
+
+
+def read_pod(pod: Any, annotations: dict[str, str] | None = None) -> PodView:
+    if annotations is None:
+        annotations = annotations_of(pod)
     spec = pod.get("spec")
     if not isinstance(spec, dict):
         raise PodUnreadable("spec is missing or not an object")
-    return spec
-
-
-def containers_of(spec: Json, field: str) -> list[Json]:
-    """A container list, each entry checked for what we read from it."""
-    containers = _list_of_objects(spec.get(field), f"spec.{field}")
-    for i, container in enumerate(containers):
-        where = f"spec.{field}[{i}]"
-        if not isinstance(container.get("name"), str) or not container["name"]:
-            raise PodUnreadable(f"{where}.name must be a non-empty string")
-        for j, mount in enumerate(_list_of_objects(container.get("volumeMounts"), f"{where}.volumeMounts")):
-            clean_path(mount.get("mountPath"), f"{where}.volumeMounts[{j}]")
-            if not isinstance(mount.get("name"), str):
-                raise PodUnreadable(f"{where}.volumeMounts[{j}].name must be a string")
-        for j, env in enumerate(_list_of_objects(container.get("env"), f"{where}.env")):
-            if not isinstance(env.get("name"), str):
-                raise PodUnreadable(f"{where}.env[{j}].name must be a string")
-        if container.get("securityContext") is not None and not isinstance(container["securityContext"], dict):
-            raise PodUnreadable(f"{where}.securityContext must be an object")
-    return containers
-
-
-def volumes_of(spec: Json) -> list[Json]:
-    volumes = _list_of_objects(spec.get("volumes"), "spec.volumes")
-    for i, volume in enumerate(volumes):
+    lists = {}
+    for field in ("initContainers", "containers"):
+        lists[field] = _list_of_objects(spec.get(field), f"spec.{field}")
+        for i, container in enumerate(lists[field]):
+            _check_container(container, f"spec.{field}[{i}]")
+    volumes = spec.get("volumes")
+    for i, volume in enumerate(_list_of_objects(volumes, "spec.volumes")):
         if not isinstance(volume.get("name"), str):
             raise PodUnreadable(f"spec.volumes[{i}].name must be a string")
-    return volumes
+    return PodView(pod, annotations, spec, lists["initContainers"], lists["containers"], volumes)
 
 
-def find_target(pod: Json, annotations: dict[str, str]) -> Target:
+def find_target(view: PodView) -> Target:
     """The fraction container, resolved as KAI-Scheduler does: a named one (init containers
     first), else containers[0]."""
-    spec = spec_of(pod)
-    inits = containers_of(spec, "initContainers")
-    containers = containers_of(spec, "containers")
-    if CONTAINER_NAME_ANNOTATION in annotations:
-        wanted = annotations[CONTAINER_NAME_ANNOTATION]
-        for field, members in (("initContainers", inits), ("containers", containers)):
-            for index, container in enumerate(members):
-                if container["name"] == wanted:
-                    return Target(field, index, container)
+    field, index, container = _resolve_target(view)
+    return Target(field, index, container, env_names(container, f"spec.{field}[{index}]"))
+
+
+def _resolve_target(view: PodView) -> tuple[str, int, Json]:
+    if CONTAINER_NAME_ANNOTATION in view.annotations:
+        wanted = view.annotations[CONTAINER_NAME_ANNOTATION]
+        for field, index, container in view.all_containers():
+            if container["name"] == wanted:
+                return field, index, container
         raise NoTargetContainer(f"container with name {wanted!r} not found for fraction request ({CONTAINER_NAME_ANNOTATION})")
-    if not containers:
+    if not view.containers:
         raise NoTargetContainer("pod has no containers")
-    return Target("containers", 0, containers[0])
+    return "containers", 0, view.containers[0]
 
 
 # --- the injected shape ----------------------------------------------------------------
@@ -218,7 +242,7 @@ def same(existing: Json, wanted: Json) -> bool:
 # --- the patch -------------------------------------------------------------------------
 
 
-def _sync_list(path: str, current: list[Json] | None, wanted: tuple[Json, ...], key: Any) -> list[Op]:
+def _sync_list(path: str, current: list[Json] | None, wanted: tuple[Json, ...], key: Any, keys: list[Any] | None = None) -> list[Op]:
     """Ops that make every wanted item present exactly as wanted, matching items by `key`.
 
     A missing list is created whole; a missing item is appended; an item with the same key
@@ -228,12 +252,17 @@ def _sync_list(path: str, current: list[Json] | None, wanted: tuple[Json, ...], 
         return []
     if current is None:
         return [{"op": "add", "path": path, "value": [dict(w) for w in wanted]}]
+    matches: dict[Any, list[int]] = {key(w): [] for w in wanted}
+    if keys is None:
+        keys = [key(item) for item in current]
+    for k in matches.keys() & set(keys):
+        matches[k] = [i for i, existing in enumerate(keys) if existing == k]
     ops: list[Op] = []
     for item in wanted:
-        matches = [i for i, existing in enumerate(current) if key(existing) == key(item)]
-        if not matches:
+        indices = matches[key(item)]
+        if not indices:
             ops.append({"op": "add", "path": f"{path}/-", "value": dict(item)})
-        ops.extend({"op": "replace", "path": f"{path}/{i}", "value": dict(item)} for i in matches if not same(current[i], item))
+        ops.extend({"op": "replace", "path": f"{path}/{i}", "value": dict(item)} for i in indices if not same(current[i], item))
     return ops
 
 
@@ -245,32 +274,24 @@ def _name_key(item: Json) -> Any:
     return item.get("name")
 
 
-def all_containers(spec: Json) -> list[tuple[str, int, Json]]:
-    return [(field, i, c) for field in ("initContainers", "containers") for i, c in enumerate(containers_of(spec, field))]
-
-
-def patch_ops(pod: Json, target: Target, config: InjectionConfig) -> list[Op]:
+def patch_ops(view: PodView, target: Target, config: InjectionConfig, desired: Desired | None = None) -> list[Op]:
     """Volumes, then the target's mounts, then its env (upstream's order), then read-only
     fixes for other mounts of our volumes. Empty when the pod is already injected."""
-    desired = desired_for(target, config)
-    spec = spec_of(pod)
-    volumes = spec.get("volumes")
-    mounts = target.container.get("volumeMounts")
-    env = target.container.get("env")
-    ops = _sync_list("/spec/volumes", volumes_of(spec) if volumes is not None else None, desired.volumes, _name_key)
-    ops += _sync_list(f"{target.pointer}/volumeMounts", mounts, desired.mounts, _mount_key)
-    ops += _sync_list(f"{target.pointer}/env", env, desired.env, _name_key)
-    ops += _read_only_fixes(spec, target, desired)
+    desired = desired or desired_for(target, config)
+    ops = _sync_list("/spec/volumes", view.volumes, desired.volumes, _name_key)
+    ops += _sync_list(f"{target.pointer}/volumeMounts", target.container.get("volumeMounts"), desired.mounts, _mount_key)
+    ops += _sync_list(f"{target.pointer}/env", target.container.get("env"), desired.env, _name_key, target.env_names)
+    ops += _read_only_fixes(view, target, desired)
     return ops
 
 
-def _read_only_fixes(spec: Json, target: Target, desired: Desired) -> list[Op]:
+def _read_only_fixes(view: PodView, target: Target, desired: Desired) -> list[Op]:
     """Any other mount of a volume we define becomes read-only: the library dir is the node's,
     and the state dir holds every container's accounting."""
     guarded = {v["name"] for v in desired.volumes}
     own_paths = {m["mountPath"] for m in desired.mounts}
     ops: list[Op] = []
-    for field, index, container in all_containers(spec):
+    for field, index, container in view.all_containers():
         is_target = field == target.field and index == target.index
         for j, mount in enumerate(container.get("volumeMounts") or ()):
             if mount.get("name") not in guarded or mount.get("readOnly") is True:

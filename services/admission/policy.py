@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .mutation import (
-    PRELOAD_PATH, STATE_MOUNT_PATH, Desired, InjectionConfig, Json, Target, all_containers, clean_path,
-    is_within, same, spec_of, volumes_of,
+    PRELOAD_PATH, STATE_MOUNT_PATH, Desired, InjectionConfig, Json, PodView, Target, clean_path, is_within, same,
 )
 from .settings import PolicyMode
 
 # Env that turns the library off or loads code ahead of it.
-ESCAPE_ENV = ("CUDA_DISABLE_CONTROL", "LD_PRELOAD", "LD_AUDIT")
+ESCAPE_ENV = frozenset({"CUDA_DISABLE_CONTROL", "LD_PRELOAD", "LD_AUDIT"})
 
 
 @dataclass(frozen=True)
@@ -21,25 +20,29 @@ class Verdict:
     message: str = ""
 
 
-def findings(pod: Json, target: Target, desired: Desired, config: InjectionConfig) -> list[str]:
+def findings(view: PodView, target: Target, desired: Desired, config: InjectionConfig) -> list[str]:
     """Every escape attempt in the pod as it was submitted, one line each."""
-    spec = spec_of(pod)
     found = _target_findings(target, desired, config)
-    found += _volume_findings(volumes_of(spec), desired, config)
-    found += _foreign_mount_findings(spec, target, desired)
+    found += _volume_findings(view.volumes or [], desired, config)
+    found += _foreign_mount_findings(view, target, desired)
     return found
 
 
 def _target_findings(target: Target, desired: Desired, config: InjectionConfig) -> list[str]:
     name, container = target.name, target.container
     found: list[str] = []
-    for env in container.get("env") or ():
-        var = env["name"]
-        if var in ESCAPE_ENV:
-            found.append(f"container {name} sets {var}")
-        wanted = desired.env_var(var)
-        if wanted is not None and not same(env, wanted):
-            found.append(f"container {name} sets {var} itself (the webhook owns it)")
+    managed = desired.env_by_name()
+    env = container.get("env") or ()
+    watched = ESCAPE_ENV.union(managed)
+    # Most pods set none of these; the set test spares a per-variable loop over long env lists.
+    if not watched.isdisjoint(target.env_names):
+        for item in env:
+            var = item["name"]
+            if var in ESCAPE_ENV:
+                found.append(f"container {name} sets {var}")
+            wanted = managed.get(var)
+            if wanted is not None and not same(item, wanted):
+                found.append(f"container {name} sets {var} itself (the webhook owns it)")
     if (container.get("securityContext") or {}).get("privileged") is True:
         found.append(f"container {name} is privileged and would see every GPU")
     own = {m["mountPath"]: m for m in desired.mounts}
@@ -74,11 +77,11 @@ def _volume_findings(volumes: list[Json], desired: Desired, config: InjectionCon
     return found
 
 
-def _foreign_mount_findings(spec: Json, target: Target, desired: Desired) -> list[str]:
+def _foreign_mount_findings(view: PodView, target: Target, desired: Desired) -> list[str]:
     guarded = {v["name"] for v in desired.volumes}
     own = {m["mountPath"] for m in desired.mounts}
     found: list[str] = []
-    for field, index, container in all_containers(spec):
+    for field, index, container in view.all_containers():
         is_target = field == target.field and index == target.index
         for mount in container.get("volumeMounts") or ():
             volume = mount.get("name")

@@ -11,7 +11,7 @@ from kai_isolator.shared.events import AdmissionOutcome
 from . import review
 from .mutation import (
     INJECT_ANNOTATION, InjectionConfig, NoTargetContainer, PodUnreadable, annotations_of, asks_opt_out,
-    desired_for, find_target, is_gpu_sharing, patch_ops,
+    desired_for, find_target, is_gpu_sharing, patch_ops, read_pod,
 )
 from .policy import findings, judge
 from .review import AdmissionRequest, BadReview
@@ -98,9 +98,11 @@ class Webhook:
                 if self.config.allow_pod_opt_out:
                     return record.allow(f"opted out by annotation {INJECT_ANNOTATION}")
                 warnings.append(f"kai-resource-isolator: annotation {INJECT_ANNOTATION} is ignored: pod opt-out is disabled")
-            target = find_target(pod, annotations)
-            found = findings(pod, target, desired_for(target, self.config), self.config)
-            ops = patch_ops(pod, target, self.config)
+            view = read_pod(pod, annotations)
+            target = find_target(view)
+            desired = desired_for(target, self.config)
+            found = findings(view, target, desired, self.config)
+            ops = patch_ops(view, target, self.config, desired)
         except PodUnreadable as error:
             return record.deny(400, f"cannot read pod: {error}")
         except NoTargetContainer as error:

@@ -10,7 +10,7 @@ import pytest
 
 from kai_isolator.services.admission.mutation import (
     STATE_VOLUME, USAGE_CACHE_PATH, VGPU_VOLUME, InjectionConfig, NoTargetContainer, find_target, is_gpu_sharing,
-    patch_ops,
+    patch_ops, read_pod,
 )
 from kai_isolator.services.admission.webhook import Webhook
 
@@ -93,14 +93,14 @@ def test_annotation_naming_an_init_container_gets_library_and_preload_only(kit: 
 
 def test_init_containers_are_searched_before_containers(kit: SimpleNamespace) -> None:
     pod = kit.make_pod({"gpu-fraction-container-name": "same"}, ["same"], inits=["same"])
-    target = find_target(pod, pod["metadata"]["annotations"])
+    target = find_target(read_pod(pod))
     assert (target.field, target.index) == ("initContainers", 0)
 
 
 def test_annotation_naming_an_unknown_container_is_denied_with_the_name(kit: SimpleNamespace, webhook: Webhook) -> None:
     pod = kit.make_pod({**FRACTION, "gpu-fraction-container-name": "no-such-container"})
     with pytest.raises(NoTargetContainer, match="no-such-container"):
-        find_target(pod, pod["metadata"]["annotations"])
+        find_target(read_pod(pod))
     answer = webhook.handle(kit.review_of(pod))
     response = kit.response_of(answer)
     assert response["allowed"] is False and "'no-such-container' not found" in response["status"]["message"]
@@ -177,7 +177,8 @@ def test_named_regular_container_gets_its_own_name_and_state_dir(kit: SimpleName
 def test_configured_directories_are_used(kit: SimpleNamespace) -> None:
     config = InjectionConfig(container_vgpu_mount="/opt/vgpu", state_dir="/srv/state")
     pod = kit.make_pod(FRACTION)
-    ops = patch_ops(pod, find_target(pod, FRACTION), config)
+    view = read_pod(pod)
+    ops = patch_ops(view, find_target(view), config)
     assert ops[0]["value"][0]["hostPath"]["path"] == "/opt/vgpu" and ops[0]["value"][1]["hostPath"]["path"] == "/srv/state"
     assert ops[1]["value"][0]["mountPath"] == "/opt/vgpu"
     assert {"name": "CONTAINER_VGPU_MOUNT", "value": "/opt/vgpu"} in ops[2]["value"]

@@ -1,0 +1,212 @@
+"""Benchmark the admission webhook against a bare aiohttp TLS endpoint, measured in the same run.
+
+Both servers run in their own process on 127.0.0.1 with the same certificate; one client
+process sends 10 KB AdmissionReviews of a GPU-sharing pod over TLS keep-alive connections
+at 1 and 50 in flight and prints requests/s, p50 and p99, and the ratio ours / bare.
+The bare endpoint reads the same bodies and returns a fixed AdmissionReview.
+Goal (issue 3): throughput >= 0.85x bare, p99 <= 1 ms at 1 in flight.
+
+    .venv/bin/python bench/admission.py [--seconds 4] [--with-nats]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+BODY_BYTES = 10_000
+FIXED_RESPONSE = orjson.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                               "response": {"uid": "fixed", "allowed": True}})
+
+
+def gpu_review(uid: str) -> bytes:
+    """A GPU-sharing pod padded with env to ~10 KB, in an AdmissionReview."""
+    pod = {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "train-7f9c", "namespace": "team-a", "labels": {"app": "train"},
+                     "annotations": {"gpu-fraction": "0.5", "runai/shared-gpu-configmap": "train-abc1234-shared-gpu"}},
+        "spec": {"schedulerName": "kai-scheduler", "nodeName": "gpu-node-1",
+                 "containers": [{"name": "app", "image": "registry.example.com/train:1.2.3", "env": []}]},
+    }
+    review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+              "request": {"uid": uid, "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                          "resource": {"group": "", "version": "v1", "resource": "pods"}, "operation": "CREATE",
+                          "namespace": "team-a", "userInfo": {"username": "system:serviceaccount:kube-system:replicaset-controller"},
+                          "object": pod, "dryRun": False}}
+    env = pod["spec"]["containers"][0]["env"]  # type: ignore[index]
+    while len(body := orjson.dumps(review)) < BODY_BYTES:
+        env.append({"name": f"VAR_{len(env):04d}", "value": "x" * 40})
+    return body
+
+
+# --- servers (each runs in its own process) ---------------------------------------------
+
+
+async def serve_bare(port: int, cert: str, key: str) -> None:
+    from aiohttp import web
+
+    async def mutate(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=FIXED_RESPONSE, content_type="application/json")
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    app = web.Application(client_max_size=3 * 1024 * 1024)
+    app.router.add_post("/mutate", mutate)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=context).start()
+    await asyncio.Event().wait()
+
+
+async def serve_ours(port: int, cert: str, key: str, nats_url: str | None) -> None:
+    from kai_isolator.services.admission.server import AdmissionServer
+    from kai_isolator.services.admission.settings import AdmissionSettings
+    from kai_isolator.shared.settings import BusSettings
+
+    settings = AdmissionSettings(listen=f"127.0.0.1:{port}", tls_cert_file=Path(cert), tls_private_key_file=Path(key))
+    server = AdmissionServer(settings, BusSettings(nats_url=nats_url) if nats_url else None)
+    await server.start()
+    await asyncio.Event().wait()
+
+
+# --- client ------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def measure(url: str, context: ssl.SSLContext, bodies: list[bytes], in_flight: int, seconds: float) -> dict[str, float]:
+    latencies: list[float] = []
+    errors = 0
+    headers = {"Content-Type": "application/json"}
+    connector = aiohttp.TCPConnector(limit=in_flight, ssl=context)
+    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
+        async def one(body: bytes) -> int:
+            async with session.post(url, data=body) as response:
+                await response.read()
+                return response.status
+
+        await asyncio.gather(*(one(bodies[i % len(bodies)]) for i in range(in_flight * 4)))  # handshakes + warm-up
+        deadline = time.perf_counter() + seconds
+        counter = 0
+
+        async def worker() -> None:
+            nonlocal errors, counter
+            while time.perf_counter() < deadline:
+                counter += 1
+                started = time.perf_counter()
+                if await one(bodies[counter % len(bodies)]) != 200:
+                    errors += 1
+                latencies.append(time.perf_counter() - started)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(in_flight)))
+        elapsed = time.perf_counter() - started
+    latencies.sort()
+    quantile = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000  # noqa: E731
+    return {"rps": len(latencies) / elapsed, "p50": quantile(0.50), "p99": quantile(0.99), "errors": errors}
+
+
+def start(args: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+async def wait_up(url: str, context: ssl.SSLContext, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 30
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context)) as session:
+        while True:
+            try:
+                async with session.post(url, data=gpu_review("probe"), headers={"Content-Type": "application/json"}) as response:
+                    if response.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"server did not start: {process.stderr.read().decode() if process.stderr else ''}")
+            await asyncio.sleep(0.1)
+
+
+async def main(seconds: float, rounds: int, with_nats: bool) -> None:
+    from kai_isolator.services.admission.certs import issue
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench-admission-"))
+    ca, cert, key = issue(["127.0.0.1"]).write(workdir)
+    context = ssl.create_default_context(cafile=str(ca))
+    bodies = [gpu_review(str(uuid.uuid4())) for _ in range(512)]
+    nats = None
+    variants: dict[str, list[str]] = {}
+    bare_port, ours_port = free_port(), free_port()
+    variants["bare"] = ["--serve", "bare", "--port", str(bare_port), "--cert", str(cert), "--key", str(key)]
+    variants["ours"] = ["--serve", "ours", "--port", str(ours_port), "--cert", str(cert), "--key", str(key)]
+    if with_nats:
+        from kai_isolator.shared.embedded_nats import EmbeddedNats
+        nats = EmbeddedNats(workdir / "nats")
+        nats.start()
+        variants["ours+nats"] = ["--serve", "ours", "--port", str(free_port()), "--cert", str(cert), "--key", str(key), "--nats-url", nats.url]
+    processes = {name: start(argv) for name, argv in variants.items()}
+    urls = {name: f"https://127.0.0.1:{argv[argv.index('--port') + 1]}/mutate" for name, argv in variants.items()}
+    try:
+        for name, process in processes.items():
+            await wait_up(urls[name], context, process)
+        print(f"admission webhook benchmark: {len(bodies[0])}-byte AdmissionReviews, TLS keep-alive, {seconds:.0f} s per run, "
+              f"{rounds} round(s), cpus={os.cpu_count()}")
+        results: dict[tuple[str, int], list[dict[str, float]]] = {}
+        for _ in range(rounds):
+            for in_flight in (1, 50):
+                for name in variants:  # interleaved, so drift in machine load hits every variant alike
+                    results.setdefault((name, in_flight), []).append(await measure(urls[name], context, bodies, in_flight, seconds))
+        print(f"{'server':<10} {'in flight':>9} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7}")
+        summary: dict[tuple[str, int], dict[str, float]] = {}
+        for (name, in_flight), runs in results.items():
+            best = {k: statistics.median(r[k] for r in runs) for k in ("rps", "p50", "p99", "errors")}
+            summary[(name, in_flight)] = best
+            print(f"{name:<10} {in_flight:>9} {best['rps']:>9.0f} {best['p50']:>8.3f} {best['p99']:>8.3f} {best['errors']:>7.0f}")
+        for in_flight in (1, 50):
+            bare = summary[("bare", in_flight)]["rps"]
+            for name in variants:
+                if name != "bare":
+                    ratio = summary[(name, in_flight)]["rps"] / bare
+                    print(f"ratio {name}/bare at {in_flight:>2} in flight: {ratio:.2f}x (goal >= 0.85x)")
+        print(f"p99 ours at 1 in flight: {summary[('ours', 1)]['p99']:.3f} ms (goal <= 1 ms)")
+    finally:
+        for process in processes.values():
+            process.terminate()
+            process.wait()
+        if nats is not None:
+            nats.stop()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per run")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; the median is printed")
+    parser.add_argument("--with-nats", action="store_true", help="also run the webhook publishing to an embedded NATS")
+    parser.add_argument("--serve", choices=["bare", "ours"], help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--cert", help=argparse.SUPPRESS)
+    parser.add_argument("--key", help=argparse.SUPPRESS)
+    parser.add_argument("--nats-url", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.serve == "bare":
+        asyncio.run(serve_bare(options.port, options.cert, options.key))
+    elif options.serve == "ours":
+        asyncio.run(serve_ours(options.port, options.cert, options.key, options.nats_url))
+    else:
+        asyncio.run(main(options.seconds, options.rounds, options.with_nats))
