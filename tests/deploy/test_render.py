@@ -73,8 +73,29 @@ def _shape(docs: Docs) -> dict[tuple[str, str], dict]:
     return shape
 
 
+def _release_objects(docs: Docs) -> Docs:
+    """Without the pre-install Secret Job, which only Helm needs (its `--wait` would otherwise wait on the webhook forever)."""
+    return [d for d in docs if "pre-install" not in d["metadata"].get("annotations", {}).get("helm.sh/hook", "").split(",")
+            or d["kind"] != "Job"]
+
+
 def test_chart_defaults_render_what_the_kustomize_base_renders(rendered: dict[str, Docs]) -> None:
-    assert _shape(rendered["helm/default"]) == _shape(rendered["kustomize/base"])
+    assert _shape(_release_objects(rendered["helm/default"])) == _shape(rendered["kustomize/base"])
+
+
+def test_helm_certs_hooks_make_the_secret_before_the_webhook_and_patch_after_the_configuration(rendered: dict[str, Docs]) -> None:
+    docs = rendered["helm/default"]
+    hooks = {(d["kind"], d["metadata"]["name"]): d["metadata"]["annotations"] for d in docs
+             if "helm.sh/hook" in d["metadata"].get("annotations", {})}
+    phases = {key: set(a["helm.sh/hook"].split(",")) for key, a in hooks.items()}
+    secret_job, patch_job = ("Job", "kai-resource-isolator-certs-secret"), ("Job", "kai-resource-isolator-certs")
+    assert phases[secret_job] == {"pre-install", "pre-upgrade"} and phases[patch_job] == {"post-install", "post-upgrade"}
+    jobs = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]["args"] for d in docs if d["kind"] == "Job"}
+    assert "--webhook-config=" in jobs[secret_job[1]], "at pre-install the configuration does not exist yet"
+    for kind in ("ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"):
+        annotations = hooks[(kind, "kai-resource-isolator-certs")]
+        assert phases[(kind, "kai-resource-isolator-certs")] == phases[secret_job] | phases[patch_job], kind
+        assert int(annotations["helm.sh/hook-weight"]) < 0, f"{kind} must exist before the Jobs run"
 
 
 def test_chart_with_cert_manager_matches_the_overlay(render_helm: Callable[..., Docs], rendered: dict[str, Docs]) -> None:

@@ -60,6 +60,14 @@ imagePullSecrets:
 {{- end }}
 {{- end -}}
 
+{{/* The certs Jobs' ServiceAccount and RBAC are hooks of both phases: they exist before each Job runs
+     (release resources are not there yet at pre-install) and are removed once the phase's hooks succeeded. */}}
+{{- define "kri.certsRbacHook" -}}
+helm.sh/hook: pre-install,pre-upgrade,post-install,post-upgrade
+helm.sh/hook-weight: "-10"
+helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
+{{- end -}}
+
 {{/* The node agent's state directory on every node (fixed by the agent; per-container state is in <it>/containers). */}}
 {{- define "kri.stateDir" -}}
 /var/lib/kai-isolator
