@@ -6,7 +6,7 @@ at 1 and 50 in flight and prints requests/s, p50 and p99, and the ratio ours / b
 The bare endpoint reads the same bodies and returns a fixed AdmissionReview.
 Goal (issue 3): throughput >= 0.85x bare, p99 <= 1 ms at 1 in flight.
 
-    .venv/bin/python bench/admission.py [--seconds 4] [--with-nats]
+    .venv/bin/python bench/admission.py [--seconds 2.5] [--rounds 3] [--with-nats]
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ async def main(seconds: float, rounds: int, with_nats: bool) -> None:
     try:
         for name, process in processes.items():
             await wait_up(urls[name], context, process)
-        print(f"admission webhook benchmark: {len(bodies[0])}-byte AdmissionReviews, TLS keep-alive, {seconds:.0f} s per run, "
+        print(f"admission webhook benchmark: {len(bodies[0])}-byte AdmissionReviews, TLS keep-alive, {seconds:g} s per run, "
               f"{rounds} round(s), cpus={os.cpu_count()}")
         results: dict[tuple[str, int], list[dict[str, float]]] = {}
         for _ in range(rounds):
@@ -195,8 +195,8 @@ async def main(seconds: float, rounds: int, with_nats: bool) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per run")
-    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; the median is printed")
+    parser.add_argument("--seconds", type=float, default=2.5, help="measured seconds per run")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is printed")
     parser.add_argument("--with-nats", action="store_true", help="also run the webhook publishing to an embedded NATS")
     parser.add_argument("--serve", choices=["bare", "ours"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
