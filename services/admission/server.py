@@ -247,7 +247,6 @@ class AdmissionServer:
 
     async def mutate(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
-        answer = None
         if request.method != "POST":
             self.metrics.bad_requests.inc()
             return web.Response(status=405, text="method not allowed: POST an AdmissionReview\n", headers={"Allow": "POST"})
@@ -268,5 +267,11 @@ class AdmissionServer:
         else:
             self.metrics.decisions[record.decision].inc()
             self.publisher.offer(record)
+            # Denials and warnings are rare and worth a line; every decision only when debugging.
+            if record.decision in ("denied", "warned") or log.isEnabledFor(logging.DEBUG):
+                log.log(logging.INFO if record.decision in ("denied", "warned") else logging.DEBUG, "admission decision", extra={
+                    "uid": record.request_uid, "namespace": record.namespace, "pod": record.pod_name,
+                    "decision": record.decision, "reason": record.reason,
+                })
         self.metrics.latency.observe(time.perf_counter() - started)
         return web.Response(status=answer.status, body=answer.body, content_type=answer.content_type)
