@@ -29,6 +29,10 @@ STREAM_SUBJECTS: tuple[str, ...] = (
 )
 ALL_EVENTS = f"{ROOT}.>"
 
+# KV buckets more than one service reads (a service's private buckets live in its settings).
+NODE_STATUS_BUCKET = "isolator_nodes"
+"""Node agents write their NodeStatus under the node name; the installer waits on it."""
+
 _TOKEN = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
 
 

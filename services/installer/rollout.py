@@ -22,7 +22,7 @@ from kai_isolator.shared.events import InstallReply, InstallRequest, NodeStatus,
 
 log = logging.getLogger(__name__)
 
-NODE_BUCKET = "isolator_nodes"
+NODE_BUCKET = subjects.NODE_STATUS_BUCKET
 """Written by the node agents: node name -> latest NodeStatus (same name as the agent's setting)."""
 ROLLOUT_BUCKET = "isolator_rollouts"
 """rollout id -> RolloutState."""

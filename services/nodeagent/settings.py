@@ -6,11 +6,12 @@ from pathlib import Path
 
 from pydantic import Field
 
+from kai_isolator.shared import subjects
 from kai_isolator.shared.settings import _Settings
 
 from .layout import DEFAULT_MOUNT
 
-NODE_BUCKET = "isolator_nodes"
+NODE_BUCKET = subjects.NODE_STATUS_BUCKET
 """KV bucket: node name -> the agent's latest NodeStatus (the installer reads it too)."""
 
 
