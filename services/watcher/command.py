@@ -1,0 +1,52 @@
+"""`kai-isolator watcher`: publish every GPU-sharing pod's isolation story from the Kubernetes API to the bus."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from kai_isolator.shared.bus import Runtime, wait_for_signal
+from kai_isolator.shared.embedded_nats import bus_url
+from kai_isolator.shared.settings import BusSettings, ProbeSettings, load
+
+from .service import PodWatcher, api_client
+from .settings import WatcherSettings
+
+SERVICE = "watcher"
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    parser = commands.add_parser("watcher", help="watch pods and publish their isolation events", description=__doc__)
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then ~/.kube/config; env KAI_ISOLATOR_WATCHER_KUBECONFIG)")
+    parser.add_argument("--node", help="watch only pods on this node (env KAI_ISOLATOR_WATCHER_NODE)")
+    parser.add_argument("--probe-listen", dest="probe_listen", help="HOST:PORT for /healthz /readyz /metrics (default 0.0.0.0:8081)")
+    return parser
+
+
+@contextlib.asynccontextmanager
+async def running(settings: WatcherSettings, bus: BusSettings, url: str, probe_listen: str | None = None) -> AsyncIterator[PodWatcher]:
+    """A started runtime + watcher for the block; stopped gracefully on exit."""
+    runtime = Runtime(SERVICE if not settings.node else f"{SERVICE}-{settings.node}", bus,
+                      kv_buckets=(settings.resume_bucket, settings.state_bucket), probe_listen=probe_listen)
+    await runtime.start(url)
+    api = await api_client(settings)
+    watcher = PodWatcher(runtime, settings, api)
+    task = asyncio.create_task(watcher.run())
+    try:
+        yield watcher
+    finally:
+        watcher.stop()
+        await task
+        await api.close()
+        await runtime.stop()
+
+
+async def run(args: argparse.Namespace) -> int:
+    settings = load(WatcherSettings, args)
+    bus = load(BusSettings, args)
+    probes = load(ProbeSettings, args)
+    async with bus_url(bus) as url, running(settings, bus, url, probes.probe_listen):
+        await wait_for_signal()
+    return 0

@@ -1,0 +1,39 @@
+"""Pod lifecycle in the sandbox -> exactly the expected PodIsolation events on the bus."""
+
+from __future__ import annotations
+
+from kai_isolator.services.sandbox.api import SandboxApi
+from support import eventually
+
+from .conftest import PodEvents, gpu_pod
+
+
+async def test_lifecycle_gives_exact_story(sandbox: SandboxApi, start_watcher, pod_events: PodEvents) -> None:
+    await start_watcher()
+    await sandbox.create("pods", gpu_pod("train", injected=True), "default")
+    await sandbox.create("pods", {"metadata": {"name": "plain"}, "spec": {"containers": [{"name": "c", "image": "busybox"}], "nodeSelector": {"kubernetes.io/hostname": "gpu-node-1"}}}, "default")
+    await eventually(lambda: "running" in pod_events.states("train"))
+    sandbox.nodes.finish("default", "train", 0)
+    await eventually(lambda: "finished" in pod_events.states("train"))
+    sandbox.delete("pods", "default", "train")
+    await eventually(lambda: "deleted" in pod_events.states("train"))
+
+    assert pod_events.states("train") == ["admitted", "scheduled", "running", "finished", "deleted"]
+    assert pod_events.states("plain") == []
+    running = next(e for e in pod_events.received if e.state == "running")
+    assert running.expected_limit == "4147m"  # 4096 MiB on the 15360 MiB simulated T4, as KAI computes it
+    assert running.injected and running.container == "main" and running.node_name == "gpu-node-1"
+    assert running.gpu_memory == "4096" and running.phase == "Running"
+
+
+async def test_pod_without_injection_is_reported_missing(sandbox: SandboxApi, start_watcher, pod_events: PodEvents) -> None:
+    await start_watcher()
+    await sandbox.create("pods", gpu_pod("bare", node=None), "default")
+    await sandbox.create("pods", gpu_pod("optout", node=None, annotations={"kai-resource-isolator.io/inject": "false"}), "default")
+    await eventually(lambda: len(pod_events.states("bare")) == 2 and len(pod_events.states("optout")) == 2)
+
+    assert pod_events.states("bare") == ["admitted", "isolation-missing"]
+    missing = {e.pod.name: e for e in pod_events.received if e.state == "isolation-missing"}
+    assert [r.code for r in missing["bare"].reasons] == ["not-injected"]
+    assert [r.code for r in missing["optout"].reasons] == ["opted-out"]
+    assert not missing["bare"].injected
