@@ -1,0 +1,29 @@
+"""`kai-isolator events` shows the watcher's stream."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+from kai_isolator.services.sandbox.api import SandboxApi
+from kai_isolator.shared.settings import BusSettings
+from support import eventually
+
+from .conftest import PodEvents, gpu_pod
+
+
+async def test_events_command_shows_pod_story(sandbox: SandboxApi, bus_settings: BusSettings, start_watcher, pod_events: PodEvents) -> None:
+    await start_watcher()
+    await sandbox.create("pods", gpu_pod("shown", injected=True), "default")
+    await eventually(lambda: pod_events.states("shown") == ["admitted", "scheduled", "running"])
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kai_isolator.services.cli", "events", "--subject", "isolator.pod.>", "--since", "1h", "--limit", "3",
+        env={**os.environ, "KAI_ISOLATOR_NATS_URL": bus_settings.nats_url or ""}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    lines = out.decode().splitlines()
+    assert process.returncode == 0, err.decode()
+    assert [line.split()[1] for line in lines] == ["io.kai-isolator.pod.admitted.v1", "io.kai-isolator.pod.scheduled.v1", "io.kai-isolator.pod.running.v1"]
+    assert all("default/shown" in line for line in lines)
+    assert "expected_limit=4147m" in lines[-1]
