@@ -19,7 +19,7 @@ test: $(STAMP) hami-core
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 run: $(STAMP) hami-core
-	$(BIN)/kai-isolator dev
+	$(BIN)/kai-isolator dev --demo
 
 bench: $(STAMP) hami-core
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

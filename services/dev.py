@@ -26,6 +26,7 @@ from kai_isolator.shared.settings import BusSettings, load
 from kai_isolator.shared.tail import follow, render_line
 
 from . import registry
+from .demo.scenario import run_demo
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,9 @@ DevComponent = Callable[[DevContext], AbstractAsyncContextManager[None]]
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
-    return commands.add_parser("dev", help="run the bus and all services locally, printing events", description=__doc__)
+    parser = commands.add_parser("dev", help="run the bus and all services locally, printing events", description=__doc__)
+    parser.add_argument("--demo", action="store_true", help="walk through the isolation flow on the sandbox, print the timeline, exit")
+    return parser
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -57,6 +60,10 @@ async def run(args: argparse.Namespace) -> int:
         # Later components may rely on values earlier ones put in DevContext.values.
         for component in registry.dev_components():
             await stack.enter_async_context(component(context))
+        if args.demo:
+            if args.log_level is None:
+                logging.getLogger().setLevel(logging.WARNING)  # the timeline is the demo's output
+            return await run_demo(context)
         with stop_signals() as stop:
             timeline = asyncio.create_task(_print_events(url))
             print(f"kai-isolator dev: bus at {url}; printing events; Ctrl-C to stop", flush=True)

@@ -1,0 +1,270 @@
+"""`kai-isolator dev --demo`: the seed's example end to end, printed as a readable timeline. DEMO.
+
+A GPU-sharing pod (`gpu-memory: "4096"` on a 15360 MiB T4) is admitted, scheduled with
+`CUDA_DEVICE_MEMORY_LIMIT=4147m`, started as a real process in a private mount namespace
+allocating through the fake driver, and verified; then an opted-out pod and a pod admitted
+while the webhook was down are caught.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kubernetes_asyncio import client, config
+
+from kai_isolator.shared.errors import IsolatorError
+from kai_isolator.shared.events import AdmissionDecision, HealthVerdict, NodeStatus, Payload, PodIsolation
+from kai_isolator.shared.limits import parse_limit
+from kai_isolator.shared.tail import follow
+
+from .kubelet import ContainerProcess, start_container
+
+if TYPE_CHECKING:
+    from kai_isolator.services.dev import DevContext
+
+HAMI_BUILD = Path(__file__).resolve().parents[2] / "hami-core" / "build"
+CUDA_PROGRAM = HAMI_BUILD / "tests" / "cuprobe"  # a small CUDA driver client, stand-in for a training job
+NVIDIA_SMI = HAMI_BUILD / "tests" / "nvsmi"  # queries NVML as nvidia-smi does
+NAMESPACE = "default"
+WEBHOOK = "kai-resource-isolator"  # as registered by the sandbox's dev component
+NODE = "gpu-node-1"
+GIB = 1 << 30
+CUDA_ERRORS = {"0": "CUDA_SUCCESS", "2": "CUDA_ERROR_OUT_OF_MEMORY"}
+
+
+class DemoFailed(IsolatorError):
+    """A step of the walk-through did not happen in time."""
+
+
+def say(who: str, text: str) -> None:
+    print(f"  [{who:>9}] {text}", flush=True)
+
+
+class BusLog:
+    """Every event published since the demo began, to wait on."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.events: list[Payload] = []
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> BusLog:
+        self._task = asyncio.create_task(self._collect(datetime.now(timezone.utc)))
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    async def _collect(self, since: datetime) -> None:
+        async for item in follow(self.url, since=since):
+            if item.payload is not None:
+                self.events.append(item.payload)
+                self._changed.set()
+
+    async def wait_for(self, what: str, match: Callable[[Payload], bool], timeout_s: float = 30) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = next((e for e in self.events if match(e)), None)
+            if found is not None:
+                return found
+            self._changed.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DemoFailed(f"timed out waiting for {what}")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+
+
+def demo_pod(name: str, annotations: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE, "annotations": {"gpu-memory": "4096", **annotations}},
+        "spec": {
+            "schedulerName": "kai-scheduler",
+            "nodeSelector": {"kubernetes.io/hostname": NODE},
+            "containers": [{"name": "main", "image": "nvcr.io/nvidia/pytorch:24.01-py3", "command": ["python", "train.py"]}],
+        },
+    }
+
+
+class Demo:
+    def __init__(self, ctx: DevContext, api: client.ApiClient, bus: BusLog) -> None:
+        self.ctx = ctx
+        self.core = client.CoreV1Api(api)
+        self.bus = bus
+        self.containers: list[ContainerProcess] = []
+        self.scratch = ctx.workdir / "demo"
+
+    async def run(self) -> None:
+        await self.library_installed()
+        await self.isolated_pod()
+        await self.opted_out_pod()
+        await self.pod_admitted_while_webhook_down()
+
+    async def library_installed(self) -> None:
+        status: NodeStatus = await self.bus.wait_for(
+            "the node agent's status", lambda e: isinstance(e, NodeStatus) and e.node_name == NODE and e.active_version is not None)
+        say("node", f"libvgpu.so {status.active_version} installed on {NODE} under {status.container_vgpu_mount} (self-check {status.self_check})")
+
+    async def isolated_pod(self) -> None:
+        print("\n1. the seed's example: gpu-memory \"4096\" on a 15360 MiB T4", flush=True)
+        pod = await self.create(demo_pod("gpu-sharing-demo", {}))
+        limit = await self.scheduled(pod)
+        container = await self.start(pod)
+        for _ in range(2):
+            say("container", self.describe(await container.read_line()))
+        allocated = await container.read_line()
+        say("container", f"cuMemAlloc 1 GiB: {self.result(allocated)}")
+        info = dict(field.split("=") for field in (await container.read_line()).split()[2:])
+        say("container", f"cuMemGetInfo: {int(info['free']) >> 20} MiB free of {int(info['total']) >> 20} MiB")
+        smi = (await container.exec([str(NVIDIA_SMI)])).strip().splitlines()[-1]
+        say("container", f"nvidia-smi inside the container: {smi}")
+        over = await container.read_line()
+        say("container", f"cuMemAlloc {self.over_limit_bytes(limit) / GIB:.2f} GiB more (past {limit}): {self.result(over)}")
+        await self.verdict(pod, "verified")
+
+    async def opted_out_pod(self) -> None:
+        print("\n2. a pod that opted out (kai-resource-isolator.io/inject: \"false\")", flush=True)
+        pod = await self.create(demo_pod("opted-out", {"kai-resource-isolator.io/inject": "false"}))
+        await self.scheduled(pod)
+        await self.start(pod)
+        await self.verdict(pod, "missing")
+
+    async def pod_admitted_while_webhook_down(self) -> None:
+        print("\n3. a pod admitted while the webhook was unreachable (failurePolicy Ignore)", flush=True)
+        hooks = client.AdmissionregistrationV1Api(self.core.api_client)
+        real_url = self.ctx.values["admission_url"]
+        await self.point_webhook_at(hooks, "https://127.0.0.1:9/mutate")
+        say("operator", "webhook Service down: the API server cannot reach https://127.0.0.1:9/mutate")
+        try:
+            pod = await self.create(demo_pod("webhook-was-down", {}))
+        finally:
+            await self.point_webhook_at(hooks, real_url)
+        limit = await self.scheduled(pod)
+        container = await self.start(pod)
+        await self.show_unenforced(container, limit)
+        await self.verdict(pod, "missing")
+        events = await self.core.list_namespaced_event(NAMESPACE)
+        for event in events.items:
+            if event.involved_object.name == pod["metadata"]["name"] and (event.reason or "").startswith("Isolation"):
+                say("kubectl", f"describe pod {pod['metadata']['name']}: {event.type} {event.reason} {event.message}")
+
+    # --- steps ----------------------------------------------------------------------------
+
+    @staticmethod
+    async def point_webhook_at(hooks: client.AdmissionregistrationV1Api, url: str) -> None:
+        patch = [{"op": "replace", "path": "/webhooks/0/clientConfig/url", "value": url}]
+        await hooks.patch_mutating_webhook_configuration(WEBHOOK, patch)
+
+    async def show_unenforced(self, container: ContainerProcess, limit: str) -> None:
+        lines = [await container.read_line() for _ in range(5)]
+        say("container", f"no library: cuMemAlloc 1 GiB + {self.over_limit_bytes(limit) / GIB:.2f} GiB past {limit}: {self.result(lines[4])} (the whole card is open)")
+
+    async def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = body["metadata"]["name"]
+        created = await self.core.create_namespaced_pod(NAMESPACE, body, _preload_content=False)
+        pod = await created.json()
+        decision: AdmissionDecision | None = None
+        with contextlib.suppress(DemoFailed):
+            decision = await self.bus.wait_for(
+                "the admission decision", lambda e: isinstance(e, AdmissionDecision) and e.pod_name == name, timeout_s=3)
+        if decision is None:
+            say("admission", f"{NAMESPACE}/{name}: the webhook never saw it (unreachable, failurePolicy Ignore let it through)")
+        else:
+            detail = f" into container {decision.container} ({decision.patch_operations} patch operations)" if decision.decision == "injected" else ""
+            say("admission", f"{NAMESPACE}/{name}: {decision.decision}{detail}{': ' + decision.reason if decision.reason else ''}")
+        return pod
+
+    async def scheduled(self, pod: dict[str, Any]) -> str:
+        name = pod["metadata"]["name"]
+        event: PodIsolation = await self.bus.wait_for(
+            "the pod to be scheduled", lambda e: isinstance(e, PodIsolation) and e.pod.name == name and e.state == "scheduled")
+        say("scheduler", f"{name} bound to {event.node_name} with CUDA_DEVICE_MEMORY_LIMIT={event.expected_limit} (injected: {event.injected})")
+        return event.expected_limit or ""
+
+    async def start(self, pod: dict[str, Any]) -> ContainerProcess:
+        name = pod["metadata"]["name"]
+        current = await (await self.core.read_namespaced_pod(name, NAMESPACE, _preload_content=False)).json()
+        container_spec = current["spec"]["containers"][0]
+        configmaps = await self.configmaps(container_spec)
+        limit = next((v.get("CUDA_DEVICE_MEMORY_LIMIT") for v in configmaps.values() if "CUDA_DEVICE_MEMORY_LIMIT" in v), "0")
+        argv = [str(CUDA_PROGRAM), "init", "ctx", "0", "alloc", str(GIB), "info", "alloc", str(self.over_limit_bytes(limit)),
+                "waitfile", str(self.scratch / f"{name}.stop")]
+        process = await start_container(
+            current, container_spec, argv, configmaps=configmaps, host_root=Path(self.ctx.values["host_root"]),
+            scratch=self.scratch / name, extra_env={"LD_LIBRARY_PATH": str(HAMI_BUILD / "fake")},
+        )
+        self.containers.append(process)
+        preload = (await process.exec(["sh", "-c", "cat /etc/ld.so.preload 2>/dev/null"])).strip() or "(none)"
+        say("kubelet", f"{name}: container main started, pid {process.pid}, private mount namespace; /etc/ld.so.preload: {preload}")
+        return process
+
+    async def verdict(self, pod: dict[str, Any], expected: str) -> None:
+        name = pod["metadata"]["name"]
+        verdict: HealthVerdict = await self.bus.wait_for(
+            f"the verifier's verdict on {name}", lambda e: isinstance(e, HealthVerdict) and e.pod.name == name)
+        reasons = ", ".join(r.code for r in verdict.reasons) or "preload active, library mapped, limit matches"
+        say("verifier", f"{name}: {verdict.verdict.upper()} ({reasons})")
+        if verdict.verdict != expected:
+            raise DemoFailed(f"{name} was judged {verdict.verdict}, expected {expected}")
+
+    async def configmaps(self, container: dict[str, Any]) -> dict[str, dict[str, str]]:
+        found = {}
+        for item in container.get("env") or []:
+            ref = (item.get("valueFrom") or {}).get("configMapKeyRef")
+            if ref:
+                with contextlib.suppress(client.ApiException):
+                    found[ref["name"]] = (await self.core.read_namespaced_config_map(ref["name"], NAMESPACE)).data or {}
+        return found
+
+    @staticmethod
+    def over_limit_bytes(limit: str) -> int:
+        """An allocation that, after the first GiB, crosses the limit by about half a GiB."""
+        return max(parse_limit(limit) if limit else 0, GIB) - GIB + GIB // 2
+
+    @staticmethod
+    def result(line: str) -> str:
+        code = line.split("rc=", 1)[1].split()[0] if "rc=" in line else "?"
+        return CUDA_ERRORS.get(code, f"CUresult {code}")
+
+    @staticmethod
+    def describe(line: str) -> str:
+        return {"init rc=0": "cuInit: CUDA_SUCCESS", "ctx rc=0": "cuDevicePrimaryCtxRetain + cuCtxSetCurrent: CUDA_SUCCESS"}.get(line, line)
+
+    async def stop(self) -> None:
+        for container in self.containers:
+            await container.stop()
+
+
+@contextlib.asynccontextmanager
+async def kubernetes(kubeconfig: Path) -> AsyncIterator[client.ApiClient]:
+    api = await config.new_client_from_config(config_file=str(kubeconfig))
+    try:
+        yield api
+    finally:
+        await api.close()
+
+
+async def run_demo(ctx: DevContext) -> int:
+    print("kai-isolator demo: sandbox API, webhook, watcher, node agent, verifier on an embedded NATS", flush=True)
+    async with kubernetes(Path(ctx.values["kubeconfig"])) as api, BusLog(ctx.nats_url) as bus:
+        demo = Demo(ctx, api, bus)
+        try:
+            await demo.run()
+        except IsolatorError as error:
+            print(f"\ndemo FAILED: {error}", flush=True)
+            return 1
+        finally:
+            await demo.stop()
+    print("\ndemo complete: isolation enforced where injected, and caught where it was not", flush=True)
+    return 0

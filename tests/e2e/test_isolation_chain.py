@@ -1,0 +1,126 @@
+"""From pod CREATE to verdict, on the sandbox with real NATS and real processes: each way isolation can fail is caught."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kai_isolator.services.demo.scenario import NVIDIA_SMI, demo_pod
+from kai_isolator.shared.events import HealthVerdict, PodIsolation
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+async def running_pod(chain, name: str, annotations: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+    pod = await chain.demo.create(demo_pod(name, annotations or {}))
+    await chain.demo.scheduled(pod)
+    container = await chain.demo.start(pod)
+    return pod, container
+
+
+async def test_healthy_pod_is_verified_and_the_limit_is_enforced(chain) -> None:  # type: ignore[no-untyped-def]
+    pod, container = await running_pod(chain, "healthy")
+    lines = [await container.read_line() for _ in range(5)]
+    assert lines[2].startswith("alloc 1073741824 rc=0")
+    assert "rc=2" in lines[4]  # CUDA_ERROR_OUT_OF_MEMORY past 4147m
+    assert "| 1024MiB / 4147MiB |" in await container.exec([str(NVIDIA_SMI)])
+    await chain.demo.verdict(pod, "verified")
+
+
+async def test_pod_admitted_while_the_webhook_was_down_is_missing_with_a_warning_event(chain) -> None:  # type: ignore[no-untyped-def]
+    await chain.demo.pod_admitted_while_webhook_down()
+    events = await chain.demo.core.list_namespaced_event("default")
+    warnings = [e for e in events.items if e.involved_object.name == "webhook-was-down" and e.reason == "IsolationMissing"]
+    assert len(warnings) == 1 and warnings[0].type == "Warning" and "not-injected" in warnings[0].message
+
+
+async def test_a_process_that_cleared_its_environment_makes_the_pod_degraded(chain) -> None:  # type: ignore[no-untyped-def]
+    pod, container = await running_pod(chain, "su-session")
+    await chain.demo.verdict(pod, "verified")
+    session = await container.spawn(["sh", "-c", "env -i sleep 60; :"])  # like `su -`: the limit is gone from its env
+    try:
+        verdict = await reverify(chain, "su-session")
+        assert verdict.verdict == "degraded" and [r.code for r in verdict.reasons] == ["limit-env-missing"]
+    finally:
+        await session.kill()
+
+
+async def test_a_process_with_another_limit_makes_the_pod_degraded(chain) -> None:  # type: ignore[no-untyped-def]
+    pod, container = await running_pod(chain, "raised-limit")
+    await chain.demo.verdict(pod, "verified")
+    session = await container.spawn(["sleep", "60"], env={**container.env, "CUDA_DEVICE_MEMORY_LIMIT": "15g"})
+    try:
+        verdict = await reverify(chain, "raised-limit")
+        assert verdict.verdict == "degraded" and [r.code for r in verdict.reasons] == ["limit-mismatch"]
+    finally:
+        await session.kill()
+
+
+async def test_agent_down_means_no_verdict_until_it_answers(chain) -> None:  # type: ignore[no-untyped-def]
+    await chain.stop_agent()
+    pod, _ = await running_pod(chain, "agent-down")
+    await chain.bus.wait_for("the running event", lambda e: isinstance(e, PodIsolation) and e.pod.name == "agent-down" and e.state == "running")
+    await asyncio.sleep(2)  # several retries and pending-pod passes
+    assert verdicts_for(chain, "agent-down") == []
+    await chain.start_agent()
+    await chain.demo.verdict(pod, "verified")
+
+
+async def test_restarting_the_verifier_repeats_no_verdict(chain) -> None:  # type: ignore[no-untyped-def]
+    from kai_isolator.services.verifier import dev as verifier_dev
+
+    pod, _ = await running_pod(chain, "steady")
+    await chain.demo.verdict(pod, "verified")
+    async with verifier_dev.component(chain.ctx):  # a second instance, as after a restart, re-verifies everything
+        verifier = chain.ctx.values["verifier"]
+        for tracked in await verifier.tracked_pods():
+            await verifier.verify(tracked)
+    await asyncio.sleep(0.5)
+    assert [v.verdict for v in verdicts_for(chain, "steady")] == ["verified"]
+
+
+def verdicts_for(chain, name: str) -> list[HealthVerdict]:  # type: ignore[no-untyped-def]
+    return [e for e in chain.bus.events if isinstance(e, HealthVerdict) and e.pod.name == name]
+
+
+async def reverify(chain, name: str) -> HealthVerdict:  # type: ignore[no-untyped-def]
+    """Ask the running verifier to look again now (as its --reverify timer would), and return the new verdict."""
+    verifier = chain.ctx.values["verifier"]
+    [tracked] = [p for p in await verifier.tracked_pods() if p.pod.name == name]
+    seen = len(verdicts_for(chain, name))
+    await verifier.verify(tracked)
+    await chain.bus.wait_for(f"a new verdict on {name}", lambda _: len(verdicts_for(chain, name)) > seen)
+    return verdicts_for(chain, name)[-1]
+
+
+@pytest.mark.timeout(150)
+def test_make_run_shows_the_whole_flow_and_leaves_nothing_running() -> None:
+    before = set(_pids_of("cuprobe")) | set(_pids_of("nats-server"))
+    result = subprocess.run(["make", "--no-print-directory", "run"], cwd=REPO, capture_output=True, text=True, timeout=100)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    for step in (
+        "libvgpu.so", "installed on gpu-node-1",
+        "default/gpu-sharing-demo: injected into container main",
+        "bound to gpu-node-1 with CUDA_DEVICE_MEMORY_LIMIT=4147m",
+        "/etc/ld.so.preload: /usr/local/vgpu/libvgpu.so",
+        "cuMemAlloc 1 GiB: CUDA_SUCCESS",
+        "nvidia-smi inside the container: | 1024MiB / 4147MiB |",
+        "CUDA_ERROR_OUT_OF_MEMORY",
+        "gpu-sharing-demo: VERIFIED",
+        "opted-out: skipped", "opted-out: MISSING (not-injected)",
+        "webhook-was-down: the webhook never saw it", "webhook-was-down: MISSING (not-injected)",
+        "Warning IsolationMissing", "demo complete",
+    ):
+        assert step in out, f"missing timeline step {step!r} in:\n{out}"
+    assert out.index("gpu-sharing-demo: VERIFIED") < out.index("opted-out: MISSING") < out.index("webhook-was-down: MISSING")
+    after = set(_pids_of("cuprobe")) | set(_pids_of("nats-server"))
+    assert after <= before
+
+
+def _pids_of(name: str) -> list[int]:
+    found = subprocess.run(["pgrep", "-x", name], capture_output=True, text=True)
+    return [int(p) for p in found.stdout.split()]
