@@ -38,7 +38,8 @@ def test_payload_round_trips_through_the_envelope(payload: ev.Payload) -> None:
     envelope, decoded = ev.decode(ev.encode(payload, "kai-isolator/test"))
     assert decoded == payload and type(decoded) is type(payload)
     assert envelope.type == payload.event_type and envelope.type.startswith(ev.TYPE_PREFIX)
-    assert envelope.id == payload.dedup_id() or payload.dedup_id() != payload.dedup_id()
+    if type(payload).dedup_id is not ev.Payload.dedup_id:  # a fact-derived id travels as the CloudEvents id
+        assert envelope.id == payload.dedup_id()
 
 
 @pytest.mark.parametrize("payload", EXAMPLES, ids=lambda p: p.event_type)
