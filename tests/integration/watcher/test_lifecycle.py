@@ -37,3 +37,18 @@ async def test_pod_without_injection_is_reported_missing(sandbox: SandboxApi, st
     assert [r.code for r in missing["bare"].reasons] == ["not-injected"]
     assert [r.code for r in missing["optout"].reasons] == ["opted-out"]
     assert not missing["bare"].injected
+
+
+async def test_node_scoped_watcher_sees_only_its_node(sandbox: SandboxApi, start_watcher, pod_events: PodEvents) -> None:
+    sandbox.nodes.add_node("gpu-node-2", 40960)
+    watcher, _ = await start_watcher(node="gpu-node-2")
+    await sandbox.create("pods", gpu_pod("there", node="gpu-node-2", injected=True), "default")
+    await sandbox.create("pods", gpu_pod("elsewhere", node="gpu-node-1", injected=True), "default")
+    await eventually(lambda: pod_events.states("there") == ["admitted", "scheduled", "running"])
+    await eventually(lambda: sandbox.get("pods", "default", "elsewhere")["status"]["phase"] == "Running")
+    sandbox.delete("pods", "default", "there")
+    await eventually(lambda: "deleted" in pod_events.states("there"))
+    assert pod_events.states("elsewhere") == []
+    running = next(e for e in pod_events.received if e.state == "running")
+    assert running.expected_limit == "4505m"  # 4096 / 40900 rounds up to 0.11; int(40960 x 0.11) = 4505
+    assert watcher.settings.scope == "node.gpu-node-2"

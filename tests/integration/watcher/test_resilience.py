@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import os
+import sys
 from collections import Counter
 
 from kai_isolator.services.sandbox.api import SandboxApi
-from kai_isolator.services.watcher.service import PodWatcher, api_client
 from kai_isolator.services.watcher.settings import WatcherSettings
-from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.embedded_nats import EmbeddedNats
 from kai_isolator.shared.settings import BusSettings
 from support import eventually
@@ -25,20 +24,19 @@ def assert_exactly_once(events: PodEvents) -> None:
 
 
 async def test_killed_mid_stream_and_restarted_loses_and_repeats_nothing(sandbox: SandboxApi, bus_settings: BusSettings, watcher_settings: WatcherSettings, start_watcher, pod_events: PodEvents) -> None:
-    runtime = Runtime("watcher", bus_settings, kv_buckets=(watcher_settings.resume_bucket, watcher_settings.state_bucket))
-    await runtime.start(bus_settings.nats_url or "")
-    api = await api_client(watcher_settings)
-    first = PodWatcher(runtime, watcher_settings, api)
-    task = asyncio.create_task(first.run())
-    await asyncio.wait_for(first.synced.wait(), 20)
-    for i in range(40):
-        await sandbox.create("pods", gpu_pod(f"job-{i}"), "default")
-    await eventually(lambda: pod_events.count() >= 30)
-    task.cancel()  # a crash: no graceful stop, no final save
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    await api.close()
-    await runtime.stop()
+    env = {**os.environ, "KAI_ISOLATOR_NATS_URL": bus_settings.nats_url or "", "KAI_ISOLATOR_WATCHER_RESUME_SAVE_INTERVAL_S": "0.2", "KAI_ISOLATOR_LOG_LEVEL": "warning"}
+    first = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kai_isolator.services.cli", "watcher", "--kubeconfig", str(watcher_settings.kubeconfig), "--probe-listen", "127.0.0.1:0", env=env,
+    )
+    try:
+        await sandbox.create("pods", gpu_pod("job-0"), "default")
+        await eventually(lambda: pod_events.count() >= 2, timeout_s=60)  # the process is up and watching
+        for i in range(1, 40):
+            await sandbox.create("pods", gpu_pod(f"job-{i}"), "default")
+        await eventually(lambda: pod_events.count() >= 30)
+    finally:
+        first.kill()  # SIGKILL mid-stream: no graceful stop, no final save
+        await first.wait()
 
     for i in range(40, 50):
         await sandbox.create("pods", gpu_pod(f"job-{i}"), "default")
