@@ -30,8 +30,12 @@ async def running(settings: WatcherSettings, bus: BusSettings, url: str, probe_l
     """A started runtime + watcher for the block; stopped gracefully on exit."""
     runtime = Runtime(SERVICE if not settings.node else f"{SERVICE}-{settings.node}", bus,
                       kv_buckets=(settings.resume_bucket, settings.state_bucket), probe_listen=probe_listen)
-    await runtime.start(url)
-    api = await api_client(settings)
+    api = await api_client(settings)  # a bad kubeconfig fails fast, before waiting on the bus
+    try:
+        await runtime.start(url)
+    except BaseException:
+        await api.close()
+        raise
     watcher = PodWatcher(runtime, settings, api)
     task = asyncio.create_task(watcher.run())
     try:

@@ -109,6 +109,8 @@ class PodWatcher:
             await asyncio.wait({main, stop}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             # Cancelled from outside is an abrupt end, like a crash: KV already holds all that counts.
+            # The flag too, because a client timeout racing the cancel may swallow it inside aiohttp.
+            self._stopping.set()
             for task in (main, stop):
                 task.cancel()
             await asyncio.gather(main, stop, return_exceptions=True)
