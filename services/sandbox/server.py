@@ -51,6 +51,7 @@ def _resource_list(group_version: str) -> Obj:
         if r.plural == "pods":
             resources.append({"name": "pods/status", "singularName": "", "namespaced": True, "kind": "Pod", "verbs": ["get", "patch", "update"]})
             resources.append({"name": "pods/binding", "singularName": "", "namespaced": True, "kind": "Binding", "verbs": ["create"]})
+            resources.append({"name": "pods/eviction", "singularName": "", "namespaced": True, "group": "policy", "version": "v1", "kind": "Eviction", "verbs": ["create"]})
     return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version, "resources": resources}
 
 
@@ -138,6 +139,10 @@ class Handlers:
             raise ApiError(405, f"{method} is not supported on a {r.kind} collection in the sandbox")
         if target.subresource == "binding" and r.plural == "pods" and method == "POST":
             self.api.bind(target.namespace or "", target.name, await _body(request))
+            return _json({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}, 201)
+        if target.subresource == "eviction" and r.plural == "pods" and method == "POST":
+            # No PodDisruptionBudgets in the sandbox: an eviction is a graceful delete.
+            self.api.delete("pods", target.namespace, target.name, dry_run=dry_run)
             return _json({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}, 201)
         if target.subresource not in ("", "status") or (target.subresource == "status" and r.plural != "pods"):
             raise ApiError(404, f"the server could not find the requested resource ({r.plural}/{target.subresource})")

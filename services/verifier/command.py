@@ -22,7 +22,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = commands.add_parser("verifier", help="verify running GPU-sharing pods and publish health verdicts", description=__doc__)
     parser.add_argument("--kubeconfig", help="kubeconfig for Events (default: in-cluster; env KAI_ISOLATOR_VERIFIER_KUBECONFIG)")
     parser.add_argument("--reverify", dest="reverify_s", type=parse_duration, help="re-inspect running pods this often, e.g. 5m (default 300s)")
-    parser.add_argument("--on-missing", choices=["warn", "annotate"], help="warn: Warning Event (default); annotate: also mark the pod")
+    parser.add_argument("--on-missing", choices=["warn", "annotate", "evict"],
+                        help="warn: Warning Event (default); annotate: also mark the pod; evict: also evict it (Eviction API, honours PDBs)")
     parser.add_argument("--container-vgpu-mount", help="library directory inside containers (default /usr/local/vgpu)")
     parser.add_argument("--no-kubernetes-events", dest="kubernetes_events", action="store_const", const=False, help="publish verdicts on the bus only")
     parser.add_argument("--probe-listen", dest="probe_listen", help="HOST:PORT for /healthz /readyz /metrics (default 0.0.0.0:8081)")

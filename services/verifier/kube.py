@@ -6,6 +6,7 @@ import asyncio
 import logging
 import socket
 from datetime import datetime, timezone
+from collections.abc import Awaitable
 from pathlib import Path
 
 import aiohttp
@@ -57,27 +58,30 @@ class PodNotifier:
             reason=reason, type=kind, message=message[:1024], count=1, first_timestamp=now, last_timestamp=now,
             source=client.V1EventSource(component=COMPONENT), reporting_component=COMPONENT, reporting_instance=self._instance,
         )
-        try:
-            await self._core.create_namespaced_event(verdict.pod.namespace, body, _request_timeout=(5, 10))
-        except ApiException as error:
-            if error.status == 409:
-                return True
-            log.warning("could not post Kubernetes Event", extra={"pod": f"{verdict.pod.namespace}/{verdict.pod.name}", "status": error.status})
-            return False
-        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
-            log.warning("Kubernetes API unreachable; Event not posted", extra={"error": repr(error)})
-            return False
-        return True
+        request = self._core.create_namespaced_event(verdict.pod.namespace, body, _request_timeout=(5, 10))
+        return await self._call("post the Kubernetes Event", verdict, request, already_done=409)
+
+    async def evict(self, verdict: HealthVerdict) -> bool:
+        """Evict through the Eviction API, so PodDisruptionBudgets still protect the workload."""
+        body = client.V1Eviction(metadata=client.V1ObjectMeta(name=verdict.pod.name, namespace=verdict.pod.namespace))
+        return await self._call("evict pod", verdict, self._core.create_namespaced_pod_eviction(verdict.pod.name, verdict.pod.namespace, body, _request_timeout=(5, 10)))
 
     async def annotate_missing(self, verdict: HealthVerdict) -> bool:
         codes = ",".join(r.code for r in verdict.reasons) or "missing"
         patch = {"metadata": {"annotations": {MISSING_ANNOTATION: codes}}}
+        return await self._call("annotate pod", verdict, self._core.patch_namespaced_pod(verdict.pod.name, verdict.pod.namespace, patch, _request_timeout=(5, 10)))
+
+    async def _call(self, what: str, verdict: HealthVerdict, request: Awaitable[object], already_done: int | None = None) -> bool:
+        """Run one API request; a failure is logged (the verdict on the bus stands), never raised."""
+        pod = f"{verdict.pod.namespace}/{verdict.pod.name}"
         try:
-            await self._core.patch_namespaced_pod(verdict.pod.name, verdict.pod.namespace, patch, _request_timeout=(5, 10))
+            await request
         except ApiException as error:
-            log.warning("could not annotate pod", extra={"pod": f"{verdict.pod.namespace}/{verdict.pod.name}", "status": error.status})
+            if error.status == already_done:
+                return True
+            log.warning(f"could not {what}", extra={"pod": pod, "status": error.status, "reason": error.reason})
             return False
         except (aiohttp.ClientError, asyncio.TimeoutError) as error:
-            log.warning("Kubernetes API unreachable; pod not annotated", extra={"error": repr(error)})
+            log.warning(f"Kubernetes API unreachable; could not {what}", extra={"pod": pod, "error": repr(error)})
             return False
         return True

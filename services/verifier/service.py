@@ -121,6 +121,8 @@ class Verifier:
         await self.notifier.post_event(verdict)
         if verdict.verdict == "missing" and self.settings.on_missing == "annotate":
             await self.notifier.annotate_missing(verdict)
+        elif verdict.verdict == "missing" and self.settings.on_missing == "evict":
+            await self.notifier.evict(verdict)
 
     def _count(self, judgement: Judgement) -> None:
         for reason in judgement.reasons or ():

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-OnMissing = Literal["warn", "annotate"]
+OnMissing = Literal["warn", "annotate", "evict"]
 
 
 class VerifierSettings(BaseSettings):
@@ -16,7 +16,7 @@ class VerifierSettings(BaseSettings):
 
     reverify_s: float = Field(300.0, gt=0, description="re-inspect every running GPU-sharing pod this often")
     pending_retry_s: float = Field(10.0, gt=0, description="retry pods that could not be inspected yet this often")
-    on_missing: OnMissing = Field("warn", description="warn: Warning Event; annotate: also mark the pod")
+    on_missing: OnMissing = Field("warn", description="warn: Warning Event; annotate: also mark the pod; evict: also evict it")
     kubeconfig: Path | None = Field(None, description="kubeconfig for Kubernetes Events; unset = in-cluster")
     kubernetes_events: bool = Field(True, description="post Kubernetes Events on pods")
     container_vgpu_mount: str = Field("/usr/local/vgpu", description="where the library is mounted in containers")

@@ -128,9 +128,20 @@ def test_pdb_follows_upstream_precedence(render_helm: Callable[..., Docs], value
 @pytest.mark.parametrize(("values", "message"), [
     ({"webhook.failurePolicy": "Sometimes"}, "webhook.failurePolicy must be Fail or Ignore"),
     ({"webhook.policy": "strict"}, "webhook.policy must be enforce, warn or off"),
-    ({"verifier.onMissing": "evict"}, "verifier.onMissing must be warn or annotate"),
+    ({"verifier.onMissing": "delete"}, "verifier.onMissing must be warn, annotate or evict"),
     ({"installer.rollout.version": "v1.2"}, "installer.rollout.version must be 16 lowercase hex digits"),
 ])
 def test_bad_values_fail_with_a_clear_message(render_helm: Callable[..., Docs], values: dict[str, str], message: str) -> None:
     with pytest.raises(ToolError, match=message):
         render_helm(values)
+
+
+def test_evict_grants_the_verifier_only_the_eviction_subresource(render_helm: Callable[..., Docs]) -> None:
+    docs = render_helm({"verifier.onMissing": "evict"})
+    roles = [d for d in docs if d["kind"] in ("Role", "ClusterRole")]
+    evicting = [d["metadata"]["name"] for d in roles for r in d["rules"] if "pods/eviction" in r["resources"]]
+    assert evicting == ["kai-resource-isolator-verifier"]
+    [verifier] = [d for d in roles if d["metadata"]["name"] == "kai-resource-isolator-verifier"]
+    assert {(res, verb) for r in verifier["rules"] for res in r["resources"] for verb in r["verbs"]} == {("events", "create"), ("pods/eviction", "create")}
+    args = [a for d in docs if d["kind"] == "Deployment" for c in d["spec"]["template"]["spec"]["containers"] for a in c.get("args", [])]
+    assert "--on-missing=evict" in args

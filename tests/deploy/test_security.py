@@ -98,16 +98,18 @@ def test_rbac_is_least_privilege(rendered: dict[str, Docs], variant: str) -> Non
                 if "secrets" in rule["resources"]:
                     assert doc["metadata"]["name"].endswith("-certs"), f"{doc['metadata']['name']} touches Secrets"
                     assert rule["verbs"] == ["create"] or rule.get("resourceNames"), "Secret reads must name the Secret"
-                assert "pods/eviction" not in rule["resources"], "nothing evicts"
+                assert "pods/eviction" not in rule["resources"] or doc["metadata"]["name"].endswith("-verifier"), "only the verifier evicts"
         if doc["kind"] in ("RoleBinding", "ClusterRoleBinding"):
             (subject,) = doc["subjects"]
             assert subject["kind"] == "ServiceAccount" and subject["name"] == doc["roleRef"]["name"]
             assert not any(subject["name"].endswith(f"-{c}") for c in NO_API), f"{subject['name']} needs no RBAC"
     for rule in _rules(docs, "-watcher"):
         assert set(rule["verbs"]) <= READ_VERBS and set(rule["resources"]) <= {"pods", "configmaps"}
-    annotate = any(a == "--on-missing=annotate" for d, s in pod_specs(docs) for c in containers(s) for a in c.get("args", []))
+    verifier_args = {a for d, s in pod_specs(docs) for c in containers(s) for a in c.get("args", [])}
     for rule in _rules(docs, "-verifier"):
-        allowed = {("events", "create")} | ({("pods", "patch")} if annotate else set())
+        allowed = {("events", "create")}
+        allowed |= {("pods", "patch")} if "--on-missing=annotate" in verifier_args else set()
+        allowed |= {("pods/eviction", "create")} if "--on-missing=evict" in verifier_args else set()
         assert {(r, v) for r in rule["resources"] for v in rule["verbs"]} <= allowed, rule
     for rule in _rules(docs, "-certs"):
         if "mutatingwebhookconfigurations" in rule["resources"]:
