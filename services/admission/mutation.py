@@ -8,20 +8,12 @@ import posixpath
 from dataclasses import dataclass, field as dataclass_field
 from typing import Any
 
+from kai_isolator.shared.contract import (
+    DEFAULT_STATE_DIR, DEFAULT_VGPU_MOUNT, FRACTION_CONTAINER_ANNOTATION as CONTAINER_NAME_ANNOTATION,
+    GPU_FRACTION_ANNOTATION, GPU_MEMORY_ANNOTATION, INJECT_ANNOTATION, PRELOAD_PATH, PRELOAD_SUBPATH,
+    STATE_MOUNT_PATH, STATE_VOLUME, USAGE_CACHE_PATH, VGPU_VOLUME,
+)
 from kai_isolator.shared.errors import IsolatorError
-
-GPU_FRACTION_ANNOTATION = "gpu-fraction"
-GPU_MEMORY_ANNOTATION = "gpu-memory"
-CONTAINER_NAME_ANNOTATION = "gpu-fraction-container-name"
-INJECT_ANNOTATION = "kai-resource-isolator.io/inject"
-
-VGPU_VOLUME = "kai-resource-isolator-vgpu"
-STATE_VOLUME = "kai-resource-isolator-state"
-PRELOAD_PATH = "/etc/ld.so.preload"
-PRELOAD_SUBPATH = "ld.so.preload"
-# Where a container sees its own state directory; kept outside the read-only library dir.
-STATE_MOUNT_PATH = "/run/kai-isolator"
-USAGE_CACHE_PATH = f"{STATE_MOUNT_PATH}/usage.cache"
 
 Json = dict[str, Any]
 Op = dict[str, Any]
@@ -37,8 +29,8 @@ class NoTargetContainer(IsolatorError):
 
 @dataclass(frozen=True)
 class InjectionConfig:
-    container_vgpu_mount: str = "/usr/local/vgpu"
-    state_dir: str = "/var/lib/kai-isolator/containers"
+    container_vgpu_mount: str = DEFAULT_VGPU_MOUNT
+    state_dir: str = DEFAULT_STATE_DIR
     allow_pod_opt_out: bool = True
 
 

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kai_isolator.shared.contract import DEFAULT_STATE_DIR, DEFAULT_VGPU_MOUNT
 from kai_isolator.shared.errors import ConfigError
 from kai_isolator.shared.settings import ENV_PREFIX, split_host_port
 
@@ -38,8 +39,8 @@ class AdmissionSettings(BaseSettings):
     listen: str = Field("0.0.0.0:8443", description="HOST:PORT of the HTTPS endpoint")
     tls_cert_file: Path = Field(Path("/etc/tls/tls.crt"), description="PEM serving certificate (chain)")
     tls_private_key_file: Path = Field(Path("/etc/tls/tls.key"), description="PEM private key of the certificate")
-    container_vgpu_mount: str = Field("/usr/local/vgpu", description="node directory holding libvgpu.so and ld.so.preload; mounted at the same path")
-    state_dir: str = Field("/var/lib/kai-isolator/containers", description="node directory of per-container state directories")
+    container_vgpu_mount: str = Field(DEFAULT_VGPU_MOUNT, description="node directory holding libvgpu.so and ld.so.preload; mounted at the same path")
+    state_dir: str = Field(DEFAULT_STATE_DIR, description="node directory of per-container state directories")
     policy: PolicyMode = Field("warn", description="tenant-escape policy: enforce (deny), warn (allow with warnings) or off")
     allow_pod_opt_out: bool = Field(True, description="honour the pod annotation kai-resource-isolator.io/inject: \"false\"")
     tls_reload_interval_s: float = Field(2.0, gt=0, description="how often the certificate files are checked for a new pair")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kubernetes_asyncio import client, config
 
+from kai_isolator.shared.contract import GPU_MEMORY_ANNOTATION, INJECT_ANNOTATION, LIMIT_ENV
 from kai_isolator.shared.errors import IsolatorError
 from kai_isolator.shared.events import AdmissionDecision, HealthVerdict, NodeStatus, Payload, PodIsolation
 from kai_isolator.shared.limits import parse_limit
@@ -88,7 +89,7 @@ class BusLog:
 def demo_pod(name: str, annotations: dict[str, str]) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": NAMESPACE, "annotations": {"gpu-memory": "4096", **annotations}},
+        "metadata": {"name": name, "namespace": NAMESPACE, "annotations": {GPU_MEMORY_ANNOTATION: "4096", **annotations}},
         "spec": {
             "schedulerName": "kai-scheduler",
             "nodeSelector": {"kubernetes.io/hostname": NODE},
@@ -135,7 +136,7 @@ class Demo:
 
     async def opted_out_pod(self) -> None:
         print("\n2. a pod that opted out (kai-resource-isolator.io/inject: \"false\")", flush=True)
-        pod = await self.create(demo_pod("opted-out", {"kai-resource-isolator.io/inject": "false"}))
+        pod = await self.create(demo_pod("opted-out", {INJECT_ANNOTATION: "false"}))
         await self.scheduled(pod)
         await self.start(pod)
         await self.verdict(pod, "missing")
@@ -197,7 +198,7 @@ class Demo:
         current = await (await self.core.read_namespaced_pod(name, NAMESPACE, _preload_content=False)).json()
         container_spec = current["spec"]["containers"][0]
         configmaps = await self.configmaps(container_spec)
-        limit = next((v.get("CUDA_DEVICE_MEMORY_LIMIT") for v in configmaps.values() if "CUDA_DEVICE_MEMORY_LIMIT" in v), "0")
+        limit = next((v[LIMIT_ENV] for v in configmaps.values() if LIMIT_ENV in v), "0")
         argv = [str(CUDA_PROGRAM), "init", "ctx", "0", "alloc", str(GIB), "info", "alloc", str(self.over_limit_bytes(limit)),
                 "waitfile", str(self.scratch / f"{name}.stop")]
         process = await start_container(

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kai_isolator.shared.contract import DEFAULT_VGPU_MOUNT
 from kai_isolator.shared.errors import ConfigError
 
 LIBRARY_LINK = "libvgpu.so"
@@ -19,7 +20,7 @@ PRELOAD_FILE = "ld.so.preload"
 VERSION_LENGTH = 16  # hex digits of sha256: enough to never collide between builds
 _VERSIONED = re.compile(r"^libvgpu\.so\.([0-9a-f]{%d})$" % VERSION_LENGTH)
 _VERSION = re.compile(r"^[0-9a-f]{%d}$" % VERSION_LENGTH)
-DEFAULT_MOUNT = "/usr/local/vgpu"
+DEFAULT_MOUNT = DEFAULT_VGPU_MOUNT
 STATE_DIR = "var/lib/kai-isolator"
 
 

@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kai_isolator.shared.contract import DEFAULT_VGPU_MOUNT
+
 OnMissing = Literal["warn", "annotate", "evict"]
 
 
@@ -19,6 +21,6 @@ class VerifierSettings(BaseSettings):
     on_missing: OnMissing = Field("warn", description="warn: Warning Event; annotate: also mark the pod; evict: also evict it")
     kubeconfig: Path | None = Field(None, description="kubeconfig for Kubernetes Events; unset = in-cluster")
     kubernetes_events: bool = Field(True, description="post Kubernetes Events on pods")
-    container_vgpu_mount: str = Field("/usr/local/vgpu", description="where the library is mounted in containers")
+    container_vgpu_mount: str = Field(DEFAULT_VGPU_MOUNT, description="where the library is mounted in containers")
     inspect_timeout_s: float = Field(5.0, gt=0)
     health_bucket: str = Field("isolator-pod-health", pattern=r"^[A-Za-z0-9_-]+$")

@@ -12,15 +12,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kai_isolator.shared.contract import (
+    FRACTION_CONTAINER_ANNOTATION as FRACTION_CONTAINER,
+    GPU_FRACTION_ANNOTATION as GPU_FRACTION,
+    GPU_MEMORY_ANNOTATION as GPU_MEMORY,
+    INJECT_ANNOTATION, LIMIT_ENV, PRELOAD_PATH, VGPU_VOLUME,
+)
 from kai_isolator.shared.events import PodIsolation, PodRef, PodState, Reason
 
-GPU_FRACTION = "gpu-fraction"
-GPU_MEMORY = "gpu-memory"
-FRACTION_CONTAINER = "gpu-fraction-container-name"
-INJECT_ANNOTATION = "kai-resource-isolator.io/inject"
-VGPU_VOLUME = "kai-resource-isolator-vgpu"
-PRELOAD_PATH = "/etc/ld.so.preload"
-LIMIT_ENV = "CUDA_DEVICE_MEMORY_LIMIT"
 FINISHED_PHASES = ("Succeeded", "Failed")
 STATE_ORDER: tuple[PodState, ...] = ("admitted", "isolation-missing", "scheduled", "running", "finished")
 

@@ -1,0 +1,32 @@
+"""The names the isolator shares with Kubernetes, KAI-Scheduler and libvgpu.so: annotations,
+injected volumes, paths and environment variables. Services spell them only through here."""
+
+from __future__ import annotations
+
+# Annotations KAI-Scheduler reads on GPU-sharing pods, and our opt-out.
+GPU_FRACTION_ANNOTATION = "gpu-fraction"
+GPU_MEMORY_ANNOTATION = "gpu-memory"
+FRACTION_CONTAINER_ANNOTATION = "gpu-fraction-container-name"
+INJECT_ANNOTATION = "kai-resource-isolator.io/inject"
+
+# What the webhook injects.
+VGPU_VOLUME = "kai-resource-isolator-vgpu"
+STATE_VOLUME = "kai-resource-isolator-state"
+PRELOAD_PATH = "/etc/ld.so.preload"
+PRELOAD_SUBPATH = "ld.so.preload"
+DEFAULT_VGPU_MOUNT = "/usr/local/vgpu"
+DEFAULT_STATE_DIR = "/var/lib/kai-isolator/containers"
+# Where a container sees its own state directory; kept outside the read-only library dir.
+STATE_MOUNT_PATH = "/run/kai-isolator"
+USAGE_CACHE_PATH = f"{STATE_MOUNT_PATH}/usage.cache"
+
+# libvgpu.so's environment contract (hami-core/README.md) and what the webhook sets beside it.
+LIMIT_ENV = "CUDA_DEVICE_MEMORY_LIMIT"
+SHARED_CACHE_ENV = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
+POD_UID_ENV = "POD_UID"
+CONTAINER_NAME_ENV = "CONTAINER_NAME"
+CONTAINER_VGPU_MOUNT_ENV = "CONTAINER_VGPU_MOUNT"
+
+
+def is_gpu_sharing(annotations: dict[str, str]) -> bool:
+    return GPU_FRACTION_ANNOTATION in annotations or GPU_MEMORY_ANNOTATION in annotations
