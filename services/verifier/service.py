@@ -12,6 +12,7 @@ import logging
 import time
 
 from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.kv import KeyValue
 from prometheus_client import Counter, Histogram
 from pydantic import BaseModel
 
@@ -54,7 +55,7 @@ class Verifier:
         self.runtime.on_event("nodes", subjects.ALL_NODE_STATUS, self.on_node_status, new_only=True)
 
     @property
-    def _kv(self):  # type: ignore[no-untyped-def]
+    def _kv(self) -> KeyValue:
         return self.runtime.kv(self.settings.health_bucket)
 
     # --- handlers -------------------------------------------------------------------------
