@@ -119,6 +119,7 @@ class Runtime:
         self._pull_subscriptions: list[JetStreamContext.PullSubscription] = []
         self._stopping = asyncio.Event()
         self._in_flight: set[asyncio.Task[None]] = set()
+        self._readiness_checks: list[Callable[[], str | None]] = []
 
     # --- binding ------------------------------------------------------------------------
 
@@ -143,7 +144,12 @@ class Runtime:
             missing.append("bus not connected")
         missing += [f"consumer {b.durable} not bound" for b in self._events if not b.bound]
         missing += [f"responder {b.subject} not bound" for b in self._requests if not b.bound]
+        missing += [problem for check in self._readiness_checks if (problem := check())]
         return missing
+
+    def add_readiness_check(self, check: Callable[[], str | None]) -> None:
+        """A service's own condition for /readyz: returns what is not ready yet, or None."""
+        self._readiness_checks.append(check)
 
     async def start(self, url: str) -> None:
         if self._probe:

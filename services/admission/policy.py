@@ -11,6 +11,8 @@ from .settings import PolicyMode
 
 # Env that turns the library off or loads code ahead of it.
 ESCAPE_ENV = frozenset({"CUDA_DISABLE_CONTROL", "LD_PRELOAD", "LD_AUDIT"})
+# Capabilities that let a process remount /etc/ld.so.preload or leave the container's view.
+ESCAPE_CAPABILITIES = frozenset({"ALL", "SYS_ADMIN", "SYS_PTRACE", "SYS_MODULE"})
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,16 @@ def _target_findings(target: Target, desired: Desired, config: InjectionConfig) 
             wanted = managed.get(var)
             if wanted is not None and not same(item, wanted):
                 found.append(f"container {name} sets {var} itself (the webhook owns it)")
-    if (container.get("securityContext") or {}).get("privileged") is True:
+    if container.get("envFrom"):
+        # The webhook cannot see what a ConfigMap or Secret will hold at start: it may set any of the above.
+        found.append(f"container {name} takes env from envFrom sources the webhook cannot check")
+    security = _object(container.get("securityContext"))
+    if security.get("privileged") is True:
         found.append(f"container {name} is privileged and would see every GPU")
+    added_list = _object(security.get("capabilities")).get("add")
+    added = {str(c).upper().removeprefix("CAP_") for c in added_list} if isinstance(added_list, list) else set()
+    for capability in sorted(added & ESCAPE_CAPABILITIES):
+        found.append(f"container {name} adds capability {capability}, enough to undo the preload")
     own = {m["mountPath"]: m for m in desired.mounts}
     for mount in container.get("volumeMounts") or ():
         path = clean_path(mount.get("mountPath"), "volumeMount")
@@ -57,6 +67,10 @@ def _target_findings(target: Target, desired: Desired, config: InjectionConfig) 
         elif not target.is_init and is_within(path, STATE_MOUNT_PATH):
             found.append(f"container {name} mounts volume {mount.get('name')} over its state directory at {path}")
     return found
+
+
+def _object(value: object) -> Json:
+    return value if isinstance(value, dict) else {}
 
 
 def _volume_findings(volumes: list[Json], desired: Desired, config: InjectionConfig) -> list[str]:

@@ -86,6 +86,7 @@ class PodWatcher:
         self._stopping = asyncio.Event()
         self._loaded = False
         self.synced = asyncio.Event()
+        runtime.add_readiness_check(lambda: None if self.synced.is_set() else "first pod list not reconciled yet")
 
     # --- keys ---------------------------------------------------------------------------
 
@@ -207,8 +208,10 @@ class PodWatcher:
                     view = view_of(pod)
                     if view is not None:
                         await self._observe(view)
-                        if view.uid in self.records:
-                            await self._close(self.records[view.uid], view.resource_version)
+                    # By uid: a pod whose GPU annotations were removed before deletion still ends its story.
+                    uid = str((pod.get("metadata") or {}).get("uid") or "")
+                    if uid in self.records:
+                        await self._close(self.records[uid], str((pod.get("metadata") or {}).get("resourceVersion") or ""))
                 version = str((pod.get("metadata") or {}).get("resourceVersion") or "")
                 if version:
                     self.resource_version = version
@@ -230,6 +233,7 @@ class PodWatcher:
             await self._retrying("bus", self._publish, event)
 
     async def _close(self, record: PodRecord, version: str) -> None:
+        self._limits = {key: value for key, value in self._limits.items() if key[0] != record.uid}
         event = deletion(record, version)
         closing = record.model_copy(update={"pending": [event]})
         await self._retrying("bus", self._put_record, closing)
@@ -262,7 +266,8 @@ class PodWatcher:
             return None
         if source.literal is not None:
             return source.literal
-        key = (view.namespace, source.configmap or "", source.key)
+        # Per pod: a recreated pod may reuse the ConfigMap name with another limit.
+        key = (view.uid, source.configmap or "", source.key)
         if key in self._limits:
             return self._limits[key]
         try:

@@ -7,6 +7,8 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kai_isolator.shared import subjects
+
 
 class WatcherSettings(BaseSettings):
     """Where the Kubernetes API is, what to watch, and how patient to be with it."""
@@ -35,4 +37,5 @@ class WatcherSettings(BaseSettings):
     @property
     def scope(self) -> str:
         """KV key prefix: one resume point and one set of pod records per watched scope."""
-        return f"node.{self.node}" if self.node else "all"
+        # Encoded like a subject token: node `gpu` must not read the records of node `gpu.a`.
+        return f"node.{subjects.encode_token(self.node)}" if self.node else "all"

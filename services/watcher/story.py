@@ -16,7 +16,7 @@ from kai_isolator.shared.contract import (
     FRACTION_CONTAINER_ANNOTATION as FRACTION_CONTAINER,
     GPU_FRACTION_ANNOTATION as GPU_FRACTION,
     GPU_MEMORY_ANNOTATION as GPU_MEMORY,
-    INJECT_ANNOTATION, LIMIT_ENV, PRELOAD_PATH, VGPU_VOLUME,
+    INJECT_ANNOTATION, LIMIT_ENV, PRELOAD_PATH, PRELOAD_SUBPATH, VGPU_VOLUME,
 )
 from kai_isolator.shared.events import PodIsolation, PodRef, PodState, Reason
 
@@ -85,11 +85,16 @@ def _target(spec: Pod, annotations: dict[str, str]) -> Pod | None:
 
 
 def _is_injected(spec: Pod, container: Pod | None) -> bool:
-    volumes = {v.get("name") for v in spec.get("volumes") or [] if isinstance(v, dict)}
-    if container is None or VGPU_VOLUME not in volumes:
+    """The webhook's shape, not just its names: a tenant's own volume called like ours is no injection."""
+    if container is None:
+        return False
+    library = next((v for v in spec.get("volumes") or [] if isinstance(v, dict) and v.get("name") == VGPU_VOLUME), None)
+    host_path = (library or {}).get("hostPath")
+    if not isinstance(host_path, dict) or host_path.get("type") != "Directory":
         return False
     return any(
-        isinstance(m, dict) and m.get("name") == VGPU_VOLUME and posixpath.normpath(str(m.get("mountPath", ""))) == PRELOAD_PATH
+        isinstance(m, dict) and m.get("name") == VGPU_VOLUME and m.get("readOnly") is True and m.get("subPath") == PRELOAD_SUBPATH
+        and posixpath.normpath(str(m.get("mountPath", ""))) == PRELOAD_PATH
         for m in container.get("volumeMounts") or []
     )
 

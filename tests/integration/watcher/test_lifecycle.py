@@ -52,3 +52,21 @@ async def test_node_scoped_watcher_sees_only_its_node(sandbox: SandboxApi, start
     running = next(e for e in pod_events.received if e.state == "running")
     assert running.expected_limit == "4505m"  # 4096 / 40900 rounds up to 0.11; int(40960 x 0.11) = 4505
     assert watcher.settings.scope == "node.gpu-node-2"
+
+
+async def test_a_pod_that_lost_its_gpu_annotations_still_ends_with_deleted(sandbox: SandboxApi, start_watcher, pod_events: PodEvents) -> None:
+    await start_watcher()
+    await sandbox.create("pods", gpu_pod("renamed", injected=True), "default")
+    await eventually(lambda: "running" in pod_events.states("renamed"))
+    sandbox.patch("pods", "default", "renamed", "application/merge-patch+json", {"metadata": {"annotations": {"gpu-memory": None}}})
+    sandbox.delete("pods", "default", "renamed")
+    await eventually(lambda: "deleted" in pod_events.states("renamed"))
+    assert pod_events.states("renamed") == ["admitted", "scheduled", "running", "deleted"]
+
+
+async def test_readyz_waits_for_the_first_reconciled_list(sandbox: SandboxApi, start_watcher) -> None:
+    watcher, _ = await start_watcher()
+    await eventually(lambda: watcher.synced.is_set())
+    assert watcher.runtime.not_ready() == []
+    watcher.synced.clear()
+    assert watcher.runtime.not_ready() == ["first pod list not reconciled yet"]

@@ -38,6 +38,8 @@ def escape_pods(kit: SimpleNamespace) -> dict[str, tuple[dict[str, Any], str]]:
         "hand-set cache": (with_target(kit, env=[{"name": "CUDA_DEVICE_MEMORY_SHARED_CACHE", "value": "/tmp/c"}]), "sets CUDA_DEVICE_MEMORY_SHARED_CACHE itself"),
         "forged pod uid": (with_target(kit, env=[{"name": "POD_UID", "value": "someone-else"}]), "sets POD_UID itself"),
         "privileged": (with_target(kit, securityContext={"privileged": True}), "is privileged"),
+        "env from a configmap": (with_target(kit, envFrom=[{"configMapRef": {"name": "evil"}}]), "takes env from envFrom"),
+        "sys admin": (with_target(kit, securityContext={"capabilities": {"add": ["CAP_SYS_ADMIN"]}}), "adds capability SYS_ADMIN"),
         "sidecar writes library": (sidecar_rw, f"sidecar mounts {VGPU_VOLUME} writable"),
         "pod-defined volume": (fake_volume, f"volume {VGPU_VOLUME} is defined by the pod"),
         "hostPath into the node dir": (host_path, "exposes the node path /usr/local"),
@@ -45,7 +47,7 @@ def escape_pods(kit: SimpleNamespace) -> dict[str, tuple[dict[str, Any], str]]:
 
 
 CASES = ["own preload", "dotted preload", "over library", "disable control", "ld preload", "hand-set cache",
-         "forged pod uid", "privileged", "sidecar writes library", "pod-defined volume", "hostPath into the node dir"]
+         "forged pod uid", "privileged", "env from a configmap", "sys admin", "sidecar writes library", "pod-defined volume", "hostPath into the node dir"]
 
 
 @pytest.mark.parametrize("case", CASES)
