@@ -1,6 +1,6 @@
 """Reader for libvgpu.so's shared accounting file (CUDA_DEVICE_MEMORY_SHARED_CACHE):
 maps it read-only, validates it, and returns typed per-device and per-process usage.
-The byte layout is hami-core/src/shm_layout.h (format version 2)."""
+The byte layout is hami-core/src/shm_layout.h (format version 3)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from kai_isolator.shared.errors import IsolatorError
 
 MAGIC = 0x55504756
-VERSION = 2
+VERSION = 3
 DEVICES = 16
 SLOTS = 1024
 NO_LIMIT = (1 << 64) - 1

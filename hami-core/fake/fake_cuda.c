@@ -6,8 +6,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -113,37 +113,28 @@ static void map_shared_state(void) {
     close(fd);
 }
 
-/* OFD lock on the state file (dropped by the kernel if the holder dies) plus a mutex,
- * because threads of one process share the open file description. */
+/* OFD lock on the state file's device counters (dropped by the kernel if the holder dies)
+ * plus a mutex, because threads of one process share the open file description. */
 static void shared_lock(int type) {
-    struct flock fl = {.l_type = (short)type, .l_whence = SEEK_SET};
+    struct flock fl = {.l_type = (short)type, .l_whence = SEEK_SET, .l_len = offsetof(struct shared_state, procs)};
     if (type == F_WRLCK) pthread_mutex_lock(&shared_mutex);
     while (fcntl(shared_fd, F_OFD_SETLKW, &fl) == -1 && errno == EINTR) {
     }
     if (type == F_UNLCK) pthread_mutex_unlock(&shared_mutex);
 }
 
-static unsigned long long start_time_of(int pid, char *state) {
-    char path[64], buf[1024];
-    snprintf(path, sizeof path, "/proc/%d/stat", pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    ssize_t n = fd >= 0 ? read(fd, buf, sizeof buf - 1) : -1;
-    if (fd >= 0) close(fd);
-    *state = '?';
-    if (n <= 0) return 0;
-    buf[n] = '\0';
-    char *p = strrchr(buf, ')');
-    if (!p || p[1] != ' ') return 0;
-    *state = p[2];
-    for (int field = 2; field < 22 && p; field++) p = strchr(p + 1, ' ');
-    return p ? strtoull(p + 1, NULL, 10) : 0;
+/* Each process holds an OFD lock on its own record for its whole life; the kernel drops it
+ * when the process dies (or execs: the fd is O_CLOEXEC), as the real driver tears the
+ * process's memory down. PID visibility plays no part, so a process in another PID
+ * namespace can neither be mistaken for dead nor mistake others for dead. */
+static struct flock proc_range(const struct shared_proc *proc, short type) {
+    return (struct flock){.l_type = type, .l_whence = SEEK_SET,
+                          .l_start = (off_t)((const char *)proc - (const char *)shared), .l_len = sizeof *proc};
 }
 
 static int alive(const struct shared_proc *proc) {
-    if (kill(proc->pid, 0) == -1 && errno == ESRCH) return 0;
-    char state;
-    unsigned long long start = start_time_of(proc->pid, &state);
-    return state != 'Z' && state != 'X' && (state == '?' || start == proc->start);
+    struct flock fl = proc_range(proc, F_WRLCK);
+    return fcntl(shared_fd, F_OFD_GETLK, &fl) != 0 || fl.l_type != F_UNLCK;
 }
 
 /* Under the lock: drop dead processes and recompute every device's used bytes. */
@@ -161,18 +152,14 @@ static void reap(void) {
     for (int d = 0; d <= MAX_DEVICES; d++) atomic_store(&shared->devices[d].used, sums[d]);
 }
 
-/* A record with our pid that is not ours is the image we exec'd from: exec freed its memory. */
+/* Under the lock, after reap(): the image we exec'd from is already gone (its lock went). */
 static struct shared_proc *claim_proc(void) {
-    int pid = getpid();
-    for (int i = 0; i < SHARED_PROCS; i++)
-        if (shared->procs[i].pid == pid) memset(&shared->procs[i], 0, sizeof shared->procs[i]);
     for (int i = 0; i < SHARED_PROCS; i++) {
         struct shared_proc *p = &shared->procs[i];
-        if (p->pid) continue;
-        char state;
+        struct flock fl = proc_range(p, F_WRLCK);
+        if (p->pid || fcntl(shared_fd, F_OFD_SETLK, &fl) != 0) continue;
         memset(p, 0, sizeof *p);
         p->pid = getpid();
-        p->start = start_time_of(p->pid, &state);
         return p;
     }
     return NULL;
@@ -181,8 +168,8 @@ static struct shared_proc *claim_proc(void) {
 static CUresult shared_charge(struct device *d, int dev, uint64_t bytes) {
     CUresult rc = CUDA_ERROR_OUT_OF_MEMORY;
     shared_lock(F_WRLCK);
-    if (!me) me = claim_proc();
     reap();
+    if (!me) me = claim_proc();
     unsigned long long used = atomic_load(&d->used);
     if (me && bytes <= device_total - used) {
         me->used[dev] += bytes;
@@ -260,10 +247,14 @@ static void forget_after_fork(void) {
     }
     pthread_mutex_init(&shared_mutex, NULL);
     me = NULL;
+    /* The inherited fd and mapping share the parent's open file description and its record
+     * lock: map a fresh one over the same address so the parent's lock dies with the parent. */
     int fd = shared ? open(shared_path, O_RDWR | O_CLOEXEC) : -1;
-    if (fd >= 0) {
+    if (fd >= 0 && mmap(shared, sizeof *shared, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) != MAP_FAILED) {
         close(shared_fd);
         shared_fd = fd;
+    } else if (fd >= 0) {
+        close(fd);
     }
 }
 

@@ -1,13 +1,13 @@
 /* One limit per container: all processes that name the same CUDA_DEVICE_MEMORY_SHARED_CACHE
  * account in one mapped file. Reserve and release are lock-free atomics on the mapping; an
- * OFD fcntl lock (dropped by the kernel when its holder dies) serialises only the rare
- * structural work: creating the file, taking a process slot, and reclaiming dead processes. */
+ * OFD fcntl lock on the header (dropped by the kernel when its holder dies) serialises only
+ * the rare structural work, and each process holds an OFD lock on its own slot for its whole
+ * life: that lock, not PID visibility, is what says a slot's process is alive. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <sched.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,17 +30,21 @@ static struct vgpu_shm_slot *my_slot; /* NULL until this process's first charge 
 static int my_pid;
 static int shm_fd = -1;
 static int reopen_needed;
+static char path_buf[4096]; /* captured at attach: the fork handler must not call getenv */
 static int shm_state = VGPU_SHM_OFF;
 static pthread_mutex_t shm_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t shm_once = PTHREAD_ONCE_INIT;
 
 static const char *shm_path(void) {
+    if (path_buf[0]) return path_buf;
     const char *p = getenv("CUDA_DEVICE_MEMORY_SHARED_CACHE");
     return p && *p ? p : DEFAULT_PATH;
 }
 
+/* The structural lock covers the header only: slot ranges carry the liveness locks. */
 static int file_lock(int fd, short type) {
-    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = 0, .l_len = 0};
+    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = 0,
+                       .l_len = sizeof(struct vgpu_shm_header)};
     while (fcntl(fd, F_OFD_SETLKW, &fl) == -1)
         if (errno != EINTR) return -1;
     return 0;
@@ -98,41 +102,42 @@ static int try_release(struct vgpu_shm_slot *slot, int idx, uint64_t bytes) {
     return FIT;
 }
 
-/* ---- process liveness ---- */
+/* ---- process liveness ----
+ * A process holds an OFD write lock on its slot's byte range from taking the slot until it
+ * dies: the kernel drops it when the last reference to the open file description goes (the
+ * fd is O_CLOEXEC and the mapping is replaced in fork children, so exit, exec and death all
+ * drop it, and so does a zombie's exit). A slot whose range nobody locks is dead. Unlike
+ * kill(pid, 0) this works across PID namespaces: a tenant that cannot see the others' pids
+ * still sees their locks, and pid reuse or collisions cannot fool it. */
 
-/* starttime (field 22) and state of /proc/<pid>/stat; returns -1 when unreadable. */
-static int proc_stat(int pid, uint64_t *start, char *state) {
+static struct flock slot_range(const struct vgpu_shm_slot *slot, short type) {
+    return (struct flock){.l_type = type, .l_whence = SEEK_SET,
+                          .l_start = (off_t)((const char *)slot - (const char *)shm), .l_len = sizeof *slot};
+}
+
+/* starttime (field 22) of /proc/<pid>/stat, recorded for readers; 0 when unreadable. */
+static uint64_t proc_start_time(int pid) {
     char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%d/stat", pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return -1;
+    if (fd < 0) return 0;
     ssize_t n = read(fd, buf, sizeof buf - 1);
     close(fd);
-    if (n <= 0) return -1;
+    if (n <= 0) return 0;
     buf[n] = '\0';
     char *p = strrchr(buf, ')'); /* the command name may contain spaces */
-    if (!p || p[1] != ' ') return -1;
-    *state = p[2];
-    p += 2;
-    for (int field = 3; field < 22 && p; field++) p = strchr(p + 1, ' ');
-    *start = p ? strtoull(p + 1, NULL, 10) : 0;
-    return 0;
+    for (int field = 2; field < 22 && p; field++) p = strchr(p + 1, ' ');
+    return p ? strtoull(p + 1, NULL, 10) : 0;
 }
 
-static int process_alive(int pid, uint64_t start) {
-    if (kill(pid, 0) == -1 && errno == ESRCH) return 0;
-    uint64_t now_start;
-    char state;
-    if (proc_stat(pid, &now_start, &state) != 0) return 1; /* cannot tell: assume alive */
-    return state != 'Z' && state != 'X' && (start == 0 || now_start == start);
-}
-
-/* A slot with our pid that is not ours belongs to the image we exec'd from: it is gone. */
+/* Our own slot is alive by definition (our own lock never conflicts with our own query). A
+ * query that fails cannot tell: the slot counts as alive (safe side: less memory, never more). */
 static int slot_dead(const struct vgpu_shm_slot *slot) {
     int pid = __atomic_load_n(&slot->pid, __ATOMIC_ACQUIRE);
-    if (pid == 0) return 0;
-    if (pid == my_pid) return slot != my_slot;
-    return !process_alive(pid, slot->start_time);
+    if (pid == 0 || (slot == my_slot && pid == my_pid)) return 0;
+    struct flock fl = slot_range(slot, F_WRLCK);
+    if (fcntl(shm_fd, F_OFD_GETLK, &fl) != 0) return 0;
+    return fl.l_type == F_UNLCK;
 }
 
 /* ---- rebuild (always under the file lock) ---- */
@@ -223,9 +228,12 @@ static struct vgpu_shm_slot *register_slot(void) {
     struct vgpu_shm_slot *slot = free_slot();
     if (!slot && rebuild() > 0) slot = free_slot();
     if (!slot) return NULL;
-    uint64_t start = 0;
-    char state;
-    proc_stat(my_pid, &start, &state);
+    struct flock fl = slot_range(slot, F_WRLCK);
+    if (fcntl(shm_fd, F_OFD_SETLK, &fl) != 0) { /* a free slot nobody should hold */
+        vgpu_log(VGPU_LOG_ERROR, "cannot lock a process slot in %s (%s)", shm_path(), strerror(errno));
+        return NULL;
+    }
+    uint64_t start = proc_start_time(my_pid);
     begin_write();
     memset(slot, 0, sizeof *slot);
     slot->start_time = start;
@@ -290,18 +298,42 @@ static int map_file(int fd) {
     return VGPU_SHM_ON;
 }
 
+/* A fork child shares the parent's open file description through the inherited fd and the
+ * inherited mapping, and with it the parent's slot lock: through it the parent's slot would
+ * look dead to the child, and the child would keep the parent's lock alive after the parent
+ * died. So the child opens the file afresh and maps it over the same address (pointers into
+ * it stay valid), then drops the inherited fd; the parent's own references keep its lock.
+ * Only open/mmap/close system calls here (async-signal-safe in practice); on failure the
+ * locked path retries, and fails closed. */
+static int reopen(void) {
+    if (!shm || shm_fd < 0) return -1;
+    int fd = open(path_buf, O_RDWR | O_CLOEXEC);
+    if (fd < 0) return -1;
+    if (mmap(shm, sizeof(struct vgpu_shm_file), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) ==
+        MAP_FAILED) {
+        close(fd);
+        return -1;
+    }
+    close(shm_fd);
+    shm_fd = fd;
+    reopen_needed = 0;
+    return 0;
+}
+
 static void after_fork_in_child(void) {
     vgpu_track_after_fork();
     pthread_mutex_init(&shm_lock, NULL);
-    reopen_needed = 1; /* the inherited fd shares the parent's lock */
     my_slot = NULL;
     my_pid = 0;
+    reopen_needed = 1;
+    reopen();
 }
 
 /* A file that cannot be opened is treated like a corrupt one when this process has a
  * limit to enforce: otherwise making the path unusable would escape the shared limit. */
 static void attach_once(void) {
     vgpu_config_init();
+    snprintf(path_buf, sizeof path_buf, "%s", shm_path());
     int fd = open(shm_path(), O_RDWR | O_CREAT | O_CLOEXEC, 0666);
     if (fd < 0) {
         int err = errno;
@@ -339,14 +371,7 @@ int vgpu_shm_state(void) {
 
 static int lock_shared(void) {
     pthread_mutex_lock(&shm_lock);
-    if (reopen_needed) {
-        int fd = open(shm_path(), O_RDWR | O_CLOEXEC);
-        if (fd >= 0) {
-            close(shm_fd);
-            shm_fd = fd;
-            reopen_needed = 0;
-        }
-    }
+    if (reopen_needed) reopen();
     if (reopen_needed || file_lock(shm_fd, F_WRLCK) != 0) {
         pthread_mutex_unlock(&shm_lock);
         return -1;

@@ -1,5 +1,5 @@
 /* Byte layout of the shared accounting file (CUDA_DEVICE_MEMORY_SHARED_CACHE), format
- * version 2. Little-endian, fixed size; shared/usage_cache.py reads the same layout, so
+ * version 3. Little-endian, fixed size; shared/usage_cache.py reads the same layout, so
  * any change here needs a new version number there too. */
 #ifndef VGPU_SHM_LAYOUT_H
 #define VGPU_SHM_LAYOUT_H
@@ -7,7 +7,7 @@
 #include <stdint.h>
 
 #define VGPU_SHM_MAGIC 0x55504756u /* "VGPU" as little-endian bytes */
-#define VGPU_SHM_VERSION 2u
+#define VGPU_SHM_VERSION 3u
 #define VGPU_SHM_DEVICES 16
 #define VGPU_SHM_SLOTS 1024
 #define VGPU_SHM_UUID_LEN 96
@@ -36,7 +36,7 @@ struct vgpu_shm_device {         /* 128 bytes each; limit/used/last_update share
 struct vgpu_shm_slot {           /* 192 bytes each (3 cache lines, no false sharing) */
     int32_t pid;                 /* 0: 0 = free */
     uint32_t inflight;           /* 4: operations of this process now between two updates */
-    uint64_t start_time;         /* 8: /proc/<pid>/stat starttime, tells PID reuse apart */
+    uint64_t start_time;         /* 8: /proc/<pid>/stat starttime (informative; liveness is the slot lock) */
     uint64_t used[VGPU_SHM_DEVICES]; /* 16: bytes this process holds per device (atomic) */
     uint8_t reserved[48];        /* 144 */
 };

@@ -296,7 +296,7 @@ static void cmd_legacy(unsigned long long size) {
 static void cmd_crashstate(unsigned long long extra) {
     const char *path = getenv("CUDA_DEVICE_MEMORY_SHARED_CACHE");
     int fd = path ? open(path, O_RDWR | O_CLOEXEC) : -1;
-    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET};
+    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_len = sizeof(struct vgpu_shm_header)}; /* the structural lock */
     struct vgpu_shm_file *f = NULL;
     if (fd >= 0 && fcntl(fd, F_OFD_SETLKW, &fl) == 0) {
         void *p = mmap(NULL, sizeof *f, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

@@ -1,11 +1,12 @@
 """One limit shared by every process using the same accounting file: cross-process races
-(ground truth from the fake driver's shared counters), SIGKILL recovery, fork children,
+(ground truth from the fake driver's shared counters), SIGKILL recovery, fork children, PID namespaces,
 many short processes, limits owned by the file, and corrupt files failing closed."""
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import struct
 import subprocess
@@ -13,6 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from kai_isolator.shared.usage_cache import FILE_SIZE, read_usage
 from vgpu_harness import GIB_BYTES, MIB, TESTS_DIR, base_env, probe
 
@@ -264,3 +266,72 @@ def test_a_file_that_is_not_a_regular_file_is_foreign(tmp_path: Path) -> None:
         result = probe("alloc", "1", env=env | {"CUDA_DEVICE_MEMORY_SHARED_CACHE": str(tmp_path / "to-dev-null")})
         assert result.rcs("alloc") == [2]
         assert "is not a regular file" in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def _pid_namespace() -> list[str]:
+    """A wrapper that runs a command in new user + PID (+ mount, for /proc) namespaces."""
+    wrapper = ["unshare", "-r", "-p", "-f", "--kill-child", "--mount-proc"]
+    if shutil.which("unshare") is None:
+        pytest.skip("util-linux unshare is not installed")
+    check = subprocess.run([*wrapper, "true"], capture_output=True, text=True, check=False)
+    if check.returncode != 0:
+        pytest.skip(f"new user+PID namespaces are not permitted here: {check.stderr.strip()}")
+    return wrapper
+
+
+def test_a_process_in_another_pid_namespace_cannot_wipe_live_usage(tmp_path: Path) -> None:
+    """Liveness is the slot lock, not PID visibility: a process that cannot see the others'
+    pids must still count their memory (the audit's escape: 800 MiB + 800 MiB under 1 GiB)."""
+    wrapper = _pid_namespace()
+    env = shared_env(tmp_path)
+    outer = spawn(env, "alloc", str(800 * MIB), "hold", "60000")
+    try:
+        assert f"alloc {800 * MIB} rc=0 id=0" in wait_for(outer, "holding")
+        inner = probe("info", "alloc", str(800 * MIB), "fake", "0", env=env, wrapper=wrapper)
+        assert inner.rcs("alloc") == [2]
+        assert int(inner.fields("info")["free"]) == GIB_BYTES - 800 * MIB
+        fake = inner.fields("fake")
+        assert int(fake["used"]) == 800 * MIB and int(fake["peak"]) <= GIB_BYTES
+        assert read_usage(env["CUDA_DEVICE_MEMORY_SHARED_CACHE"]).devices[0].used_bytes == 800 * MIB
+        # The ground truth is not fooled either: an unlimited inner process adds to the outer's.
+        raw = probe("alloc", str(800 * MIB), "fake", "0", env=env, preload=False, wrapper=wrapper)
+        assert raw.rcs("alloc") == [0] and int(raw.fields("fake")["used"]) == 1600 * MIB
+    finally:
+        outer.kill()
+        outer.wait(timeout=10)
+    after = probe("alloc", str(GIB_BYTES), "fake", "0", env=env, wrapper=wrapper)
+    assert after.rcs("alloc") == [0]  # a dead process is still reclaimed across namespaces
+    assert int(after.fields("fake")["used"]) == GIB_BYTES
+
+
+def test_an_inner_namespace_holder_counts_for_the_outer_processes(tmp_path: Path) -> None:
+    wrapper = _pid_namespace()
+    env = shared_env(tmp_path)
+    argv = [str(TESTS_DIR / "cuprobe"), "--path=link", "init", "ctx", "0", "alloc", str(800 * MIB), "hold", "60000"]
+    inner = subprocess.Popen([*wrapper, *argv], env=base_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        assert f"alloc {800 * MIB} rc=0 id=0" in wait_for(inner, "holding")
+        outer = probe("alloc", str(800 * MIB), "fake", "0", env=env)
+        assert outer.rcs("alloc") == [2]
+        assert int(outer.fields("fake")["used"]) == 800 * MIB
+    finally:
+        inner.kill()  # --kill-child takes the namespace's processes with it
+        inner.wait(timeout=10)
+    poll(lambda: probe("alloc", str(GIB_BYTES), env=env).rcs("alloc") == [0])
+
+
+def test_a_fork_childs_exit_leaves_the_parents_slot_alive(tmp_path: Path) -> None:
+    """The child drops its inherited copy of the parent's open file description; the parent's
+    slot lock must survive that, as seen by a third process."""
+    env = shared_env(tmp_path)
+    holder = spawn(env, "alloc", str(GIB_BYTES - 2 * MIB), "fork", str(MIB), "hold", "60000")
+    try:
+        lines = wait_for(holder, "holding")
+        assert "fork exited=0" in lines, lines
+        other = probe("alloc", str(3 * MIB), "alloc", str(2 * MIB), "fake", "0", env=env)
+        assert other.rcs("alloc") == [2, 0]  # the exited child's MiB is free, the parent's usage is not
+        assert int(other.fields("fake")["used"]) == GIB_BYTES
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)

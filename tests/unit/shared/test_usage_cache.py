@@ -31,7 +31,7 @@ def write(tmp_path: Path, data: bytes) -> Path:
 
 def test_reads_devices_and_processes(tmp_path: Path) -> None:
     snap = uc.read_usage(write(tmp_path, build_file()))
-    assert snap.version == 2 and snap.last_update_ns == 123456999  # the newest of header and devices
+    assert snap.version == 3 and snap.last_update_ns == 123456999  # the newest of header and devices
     assert snap.devices[0] == uc.DeviceUsage(index=0, uuid="GPU-abc", limit_bytes=4147 << 20, used_bytes=300,
                                              last_update_ns=123456000)
     assert snap.devices[1].limit_bytes is None
