@@ -59,6 +59,7 @@ static void load_cuda_once(void) {
         VGPU_CUDA_HOOKED(VGPU_RESOLVE)
 #undef VGPU_RESOLVE
         vgpu_cuda.getproc_v1 = (vgpu_getproc_v1_fn)vgpu_real_dlsym(cuda_handle, "cuGetProcAddress");
+        vgpu_cuda.legacy_alloc = (vgpu_legacy_alloc_fn)vgpu_real_dlsym(cuda_handle, "cuMemAlloc");
         vgpu_cuda.cuCtxGetDevice =
             (__typeof__(vgpu_cuda.cuCtxGetDevice))vgpu_real_dlsym(cuda_handle, "cuCtxGetDevice");
     }

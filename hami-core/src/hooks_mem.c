@@ -69,6 +69,20 @@ VGPU_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
     return settle(rc, VGPU_KIND_PTR, rc == CUDA_SUCCESS ? *dptr : 0, idx, bytesize, undo_ptr);
 }
 
+/* The legacy 32-bit entry point is refused wherever a limit applies: counting it would need
+ * a second pointer width through tracking and every free path for an ABI no current
+ * toolkit emits, and leaving it uncounted would be a way around the limit. Without a limit
+ * it is the driver's, untouched. */
+VGPU_EXPORT CUresult vgpu_legacy_alloc_hook(unsigned int *dptr, unsigned int bytesize) {
+    REQUIRE(legacy_alloc);
+    int idx;
+    CUresult rc = vgpu_current_index(&idx);
+    if (!dptr || rc != CUDA_SUCCESS) return dptr ? rc : vgpu_cuda.legacy_alloc(dptr, bytesize);
+    if (vgpu_ledger_limit(idx) == VGPU_UNLIMITED) return vgpu_cuda.legacy_alloc(dptr, bytesize);
+    vgpu_log(VGPU_LOG_INFO, "device %d: the legacy 32-bit cuMemAlloc is not supported under a memory limit", idx);
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
 VGPU_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
     REQUIRE(cuMemAllocManaged);
     int idx;

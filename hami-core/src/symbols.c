@@ -14,6 +14,7 @@ static const struct vgpu_symbol symbols[] = {
     VGPU_CUDA_HOOKED(VGPU_ENTRY)
 #undef VGPU_ENTRY
     {"cuGetProcAddress", (void *)&vgpu_getproc_v1_hook, "cuGetProcAddress", 11030, 0, 0},
+    {"cuMemAlloc", (void *)&vgpu_legacy_alloc_hook, "cuMemAlloc", 2000, 0, 0},
 #define VGPU_ENTRY(name) {#name, (void *)&name, NULL, 0, 0, 1},
     VGPU_NVML_HOOKED(VGPU_ENTRY)
 #undef VGPU_ENTRY

@@ -18,6 +18,9 @@ CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemo
                                       CUstream hStream);
 CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream);
 typedef CUresult (*vgpu_getproc_v1_fn)(const char *, void **, int, cuuint64_t);
+/* The legacy 32-bit cuMemAlloc (cuda.h macro-renames that name to cuMemAlloc_v2). */
+typedef CUresult (*vgpu_legacy_alloc_fn)(unsigned int *, unsigned int);
+CUresult vgpu_legacy_alloc_hook(unsigned int *dptr, unsigned int bytesize) __asm__("cuMemAlloc");
 
 /* ---- log.c ---- */
 enum { VGPU_LOG_ERROR = 0, VGPU_LOG_WARN = 2, VGPU_LOG_INFO = 3, VGPU_LOG_DEBUG = 4 };
@@ -90,6 +93,7 @@ struct vgpu_cuda_real {
     VGPU_CUDA_HOOKED(VGPU_FIELD)
 #undef VGPU_FIELD
     vgpu_getproc_v1_fn getproc_v1; /* "cuGetProcAddress": cuda.h macro-renames that name */
+    vgpu_legacy_alloc_fn legacy_alloc; /* "cuMemAlloc" */
     __typeof__(cuCtxGetDevice) *cuCtxGetDevice;
 };
 

@@ -290,8 +290,19 @@ static void cmd_legacy(unsigned long long size) {
     report_alloc("legacy", size, rc, K_PTR, ptr);
 }
 
+/* The same entry point found by plain dlsym, or bound at link time (cuda.h renames cuMemAlloc). */
+CUresult linked_legacy_alloc(unsigned int *dptr, unsigned int bytesize) __asm__("cuMemAlloc");
+
+static void cmd_legacy_other(const char *how, unsigned long long size) {
+    legacy_alloc_fn legacy = strcmp(how, "legacydl") == 0 ? (legacy_alloc_fn)dlsym(cuda, "cuMemAlloc")
+                                                          : linked_legacy_alloc;
+    unsigned int ptr = 0;
+    CUresult rc = legacy ? legacy(&ptr, (unsigned int)size) : CUDA_ERROR_NOT_FOUND;
+    report_alloc(how, size, rc, K_PTR, ptr);
+}
+
 /* Leaves the shared accounting file as a process killed at the worst moment would: the OFD
- * lock held (the same whole-file range the library takes), a rebuild half done (frozen, odd
+ * lock held (the same header range the library takes), a rebuild half done (frozen, odd
  * seq) and this process inside an operation with a device total it never finished. */
 static void cmd_crashstate(unsigned long long extra) {
     const char *path = getenv("CUDA_DEVICE_MEMORY_SHARED_CACHE");
@@ -379,6 +390,7 @@ static int run(char **argv, int argc, int i) {
         return report_alloc("mipmap", 0, rc, K_MIPMAP, (uintptr_t)m), 4;
     }
     if (!strcmp(c, "legacy") && left >= 1) return cmd_legacy(num(ARG(1))), 2;
+    if ((!strcmp(c, "legacydl") || !strcmp(c, "legacylink")) && left >= 1) return cmd_legacy_other(c, num(ARG(1))), 2;
     if (!strcmp(c, "free") && left >= 1) return printf("free rc=%d\n", (int)release_slot((int)num(ARG(1)))), 2;
     if (!strcmp(c, "freeptr") && left >= 1)
         return printf("freeptr rc=%d\n", (int)api.free((CUdeviceptr)num(ARG(1)))), 2;

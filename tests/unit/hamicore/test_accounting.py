@@ -3,6 +3,8 @@ driver's own ground-truth counters."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from vgpu_harness import MIB, probe
@@ -75,15 +77,36 @@ def test_host_located_vmm_memory_is_not_device_usage() -> None:
 
 
 def test_free_of_untracked_pointer_reaches_the_driver() -> None:
-    result = probe("freeptr", "0x1234", "legacy", "4096", "fake", "0", "free", "0", "fake", "0",
-                   env={"CUDA_DEVICE_MEMORY_LIMIT": "1m"})
+    result = probe("freeptr", "0x1234", "fake", "0", env={"CUDA_DEVICE_MEMORY_LIMIT": "1m"})
     # The driver's own answer (CUDA_ERROR_INVALID_VALUE), never HAMi-core's -1.
     assert result.rcs("freeptr") == [1]
-    assert int(result.fields("fake", 0)["bad_frees"]) == 1
-    # Memory from the legacy 32-bit entry point was never charged; its free still releases it.
-    assert result.rcs("legacy") == [0] and result.rcs("free") == [0]
-    assert int(result.fields("fake", 0)["used"]) == 4096
-    assert int(result.fields("fake", 1)["used"]) == 0
+    assert int(result.fields("fake")["bad_frees"]) == 1
+
+
+@pytest.mark.parametrize("how", ["legacy", "legacydl", "legacylink"])  # getproc @2000, dlsym, linked
+def test_legacy_32_bit_alloc_is_refused_under_a_limit(how: str) -> None:
+    """The v1 cuMemAlloc is never a way around the limit: refused (CUDA_ERROR_NOT_SUPPORTED)
+    before the driver sees it, however it was found."""
+    result = probe(how, "4096", "fake", "0", env={"CUDA_DEVICE_MEMORY_LIMIT": "1m"})
+    assert result.rcs(how) == [801]
+    assert int(result.fields("fake")["allocs"]) == 0
+
+
+def test_legacy_32_bit_alloc_passes_through_without_a_limit() -> None:
+    """Without a limit nothing is enforced; its free (the _v2 hook, untracked) reaches the driver."""
+    result = probe("legacy", "4096", "legacydl", "4096", "legacylink", "4096", "fake", "0",
+                   "free", "0", "free", "1", "free", "2", "fake", "0")
+    assert result.rcs("legacy") + result.rcs("legacydl") + result.rcs("legacylink") == [0, 0, 0]
+    assert int(result.fields("fake", 0)["used"]) == 3 * 4096
+    assert result.rcs("free") == [0, 0, 0] and int(result.fields("fake", 1)["used"]) == 0
+
+
+def test_legacy_32_bit_alloc_is_refused_when_only_the_shared_file_has_a_limit(tmp_path: Path) -> None:
+    cache = str(tmp_path / "usage.cache")
+    probe("info", env={"CUDA_DEVICE_MEMORY_SHARED_CACHE": cache, "CUDA_DEVICE_MEMORY_LIMIT": "1m"})
+    result = probe("legacy", "4096", "fake", "0", env={"CUDA_DEVICE_MEMORY_SHARED_CACHE": cache})
+    assert result.rcs("legacy") == [801]
+    assert int(result.fields("fake")["allocs"]) == 0
 
 
 def test_null_out_pointers_never_crash() -> None:

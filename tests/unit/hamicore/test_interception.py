@@ -19,7 +19,7 @@ LEGACY, PER_THREAD = "1", "2"
     [
         ("cuMemAlloc", "13000", LEGACY, "libvgpu.so", "cuMemAlloc_v2"),
         ("cuMemAlloc", "3020", LEGACY, "libvgpu.so", "cuMemAlloc_v2"),
-        ("cuMemAlloc", "3010", LEGACY, "libcuda.so.1", "cuMemAlloc"),  # older ABI: never our _v2 hook
+        ("cuMemAlloc", "3010", LEGACY, "libvgpu.so", "cuMemAlloc"),  # older ABI: the v1 hook, never the _v2 one
         ("cuMemAllocAsync", "12000", LEGACY, "libvgpu.so", "cuMemAllocAsync"),
         ("cuMemAllocAsync", "12000", PER_THREAD, "libvgpu.so", "cuMemAllocAsync_ptsz"),
         ("cuMemFreeAsync", "12000", PER_THREAD, "libvgpu.so", "cuMemFreeAsync_ptsz"),
