@@ -309,8 +309,10 @@ static int reopen(void) {
     if (!shm || shm_fd < 0) return -1;
     int fd = open(path_buf, O_RDWR | O_CLOEXEC);
     if (fd < 0) return -1;
-    if (mmap(shm, sizeof(struct vgpu_shm_file), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) ==
-        MAP_FAILED) {
+    struct stat was, now; /* a file replaced at the path is not the one mapped (nor sized yet) */
+    if (fstat(shm_fd, &was) != 0 || fstat(fd, &now) != 0 || was.st_dev != now.st_dev || was.st_ino != now.st_ino ||
+        mmap(shm, sizeof(struct vgpu_shm_file), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) ==
+            MAP_FAILED) {
         close(fd);
         return -1;
     }
