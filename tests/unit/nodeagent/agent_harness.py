@@ -9,7 +9,9 @@ import select
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,9 +62,15 @@ def make_libraries(directory: Path) -> Libraries:
     return Libraries(v1, v2)
 
 
+# Each worker accounts in its own file unless a test shares one on purpose: the library's default
+# path (/tmp/cudevshr.cache) is machine-wide, so another run's file must never decide a test.
+_CACHES = tempfile.TemporaryDirectory(prefix="nodeagent-test-caches-")
+
+
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "LD_", "FAKE_CUDA", "POD_UID", "CONTAINER_"))}
     env["LD_LIBRARY_PATH"] = str(FAKE_DIR)
+    env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = str(Path(_CACHES.name) / f"{uuid.uuid4().hex}.cache")
     env.update(extra or {})
     return env
 
