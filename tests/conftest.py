@@ -14,6 +14,9 @@ from support import RuntimeFactory
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+# Node agent fixtures (`libraries`, `start_agent`) serve the node agent and installer tests alike.
+pytest_plugins = ["nodeagent_fixtures"]
+
 
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:

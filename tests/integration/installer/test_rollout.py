@@ -9,7 +9,7 @@ import sys
 import nats.errors
 import pytest
 
-from agent_harness import Libraries
+from nodeagent_harness import Libraries
 from kai_isolator.services.installer import rollout
 from kai_isolator.services.nodeagent import install
 from kai_isolator.services.nodeagent.layout import version_of

@@ -9,7 +9,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent_harness import MIB, Libraries, namespaced_worker, preloaded_worker
+from nodeagent_harness import MIB, Libraries, namespaced_worker, preloaded_worker
 from kai_isolator.services.nodeagent import install
 from kai_isolator.services.nodeagent.layout import version_of
 from kai_isolator.services.nodeagent.settings import NODE_BUCKET

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agent_harness import Libraries, preloaded_worker
+from nodeagent_harness import Libraries, preloaded_worker
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

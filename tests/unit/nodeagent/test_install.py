@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_harness import MIB, Libraries, namespaced_worker, preloaded_worker
+from nodeagent_harness import MIB, Libraries, namespaced_worker, preloaded_worker
 from kai_isolator.services.nodeagent import install
 from kai_isolator.services.nodeagent.layout import HostLayout, version_of
 

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[1]
 HAMI = REPO / "hami-core"
 LIBVGPU = HAMI / "build" / "libvgpu.so"
 FAKE_DIR = HAMI / "build" / "fake"

@@ -1,20 +1,17 @@
-"""Node agents on temp host roots against a real nats-server; workers from the unit harness."""
+"""Fixtures for node agent and installer tests: two library builds and agents on temp host roots."""
 
 from __future__ import annotations
 
 import subprocess
-import sys
-from collections.abc import AsyncIterator, Callable, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "unit" / "nodeagent"))
-
-from agent_harness import HAMI, Libraries, make_libraries  # noqa: E402
-from kai_isolator.services.nodeagent.agent import NodeAgent  # noqa: E402
-from kai_isolator.services.nodeagent.settings import NodeAgentSettings  # noqa: E402
-from kai_isolator.shared.settings import BusSettings  # noqa: E402
+from kai_isolator.services.nodeagent.agent import NodeAgent
+from kai_isolator.services.nodeagent.settings import NodeAgentSettings
+from kai_isolator.shared.settings import BusSettings
+from nodeagent_harness import HAMI, Libraries, make_libraries
 
 AgentFactory = Callable[..., Awaitable[NodeAgent]]
 
