@@ -4,6 +4,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
+# hami-core compiles against the driver API's cuda.h. Without a toolkit in CUDA_HOME the
+# header comes from PyPI (the nvidia-cuda-runtime wheel ships it), so no machine needs CUDA.
+CUDA_HOME ?= /usr/local/cuda
+CUDA_WHEEL_DIR := .cuda-headers
+ifeq ($(wildcard $(CUDA_HOME)/include/cuda.h),)
+override CUDA_HOME := $(abspath $(CUDA_WHEEL_DIR))/nvidia/cu13
+CUDA_HEADERS := $(CUDA_HOME)/include/cuda.h
+endif
+export CUDA_HOME
+
 .PHONY: test run hami-core bench clean
 
 $(STAMP): pyproject.toml
@@ -12,8 +22,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
 
-hami-core:
-	$(MAKE) -C hami-core
+$(CUDA_WHEEL_DIR)/nvidia/cu13/include/cuda.h: | $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --target $(CUDA_WHEEL_DIR) 'nvidia-cuda-runtime==13.0.*'
+	test -s $@
+
+hami-core: $(CUDA_HEADERS)
+	$(MAKE) -C hami-core CUDA_HOME=$(CUDA_HOME)
 
 test: $(STAMP) hami-core
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -25,4 +39,4 @@ bench: $(STAMP) hami-core
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) hami-core/build .pytest_cache
+	rm -rf $(VENV) $(CUDA_WHEEL_DIR) hami-core/build .pytest_cache
