@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
 
-$(CUDA_WHEEL_DIR)/nvidia/cu13/include/cuda.h: | $(STAMP)
+$(abspath $(CUDA_WHEEL_DIR))/nvidia/cu13/include/cuda.h: | $(STAMP)
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --target $(CUDA_WHEEL_DIR) 'nvidia-cuda-runtime==13.0.*'
 	test -s $@
 
