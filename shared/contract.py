@@ -19,6 +19,12 @@ DEFAULT_STATE_DIR = "/var/lib/kai-isolator/containers"
 # Where a container sees its own state directory; kept outside the read-only library dir.
 STATE_MOUNT_PATH = "/run/kai-isolator"
 USAGE_CACHE_PATH = f"{STATE_MOUNT_PATH}/usage.cache"
+# The node-written grant (shared/grant.py): a root-owned host dir, one subdir per container,
+# mounted read-only where the library looks for it.
+GRANT_VOLUME = "kai-resource-isolator-grant"
+DEFAULT_GRANT_DIR = "/var/lib/kai-isolator/grants"
+GRANT_MOUNT_PATH = "/etc/kai-isolator"
+GRANT_FILE = "grant.json"
 
 # libvgpu.so's environment contract (hami-core/README.md) and what the webhook sets beside it.
 LIMIT_ENV = "CUDA_DEVICE_MEMORY_LIMIT"
