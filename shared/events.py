@@ -294,6 +294,8 @@ class InspectRequest(Payload):
     node_name: str
     pod: PodRef
     container: str
+    container_id: str = Field("", description="the runtime's id from status.containerStatuses (any `<runtime>://` prefix); "
+                                              "empty: the agent tells the pod's containers apart by their mounts")
 
     def subject(self) -> str:
         return subjects.node_inspect(self.node_name)

@@ -2,8 +2,10 @@
 
 It does what matters for isolation the way kubelet does: hostPath volumes (under a temp
 host root, never this machine's own paths), `subPath` / `subPathExpr`, read-only mounts,
-env from values, the downward API and ConfigMaps. Mount targets are created inside
-overlays that live only in the namespace, so this machine's `/etc` is never written.
+env from values, the downward API and ConfigMaps, and a cgroup named as the kubelet names
+it (pod uid and container id in the path) that the container and every `exec` into it join.
+Mount targets are created inside overlays that live only in the namespace, so this
+machine's `/etc` is never written; cgroups live under a prefix unique to this kubelet.
 """
 
 from __future__ import annotations
@@ -12,22 +14,98 @@ import asyncio
 import contextlib
 import os
 import re
+import secrets
 import shlex
 import signal
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kai_isolator.shared.cgroups import CgroupDriver, container_id_from_status, kubelet_cgroup_path
 from kai_isolator.shared.errors import IsolatorError
 
 Obj = dict[str, Any]
 STARTED = "kai-demo-kubelet: mounts ready"
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# v1 hierarchies a process may join without limiting it (never memory or cpu: they would
+# constrain the test machine's own processes), then the v2 one of a hybrid host.
+_V1_HIERARCHIES = ("pids", "freezer")
+# Joins each cgroup named before `--`, then execs the rest, as a runtime places a process
+# before it runs the container's program.
+_JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1/cgroup.procs" || exit 125; shift; done; shift; exec "$@"'
 
 
 class ContainerStartError(IsolatorError):
     """The pod cannot start on this node (e.g. a hostPath of type Directory that does not exist)."""
+
+
+def cgroup_hierarchies(root: Path = CGROUP_ROOT) -> tuple[Path, ...]:
+    """Writable hierarchies to place containers in: the v2 one (pure or hybrid) and harmless v1 ones."""
+    found = [root] if (root / "cgroup.controllers").exists() else []
+    found += [root / "unified"] if (root / "unified" / "cgroup.controllers").exists() else []
+    found += [root / name for name in _V1_HIERARCHIES if (root / name / "cgroup.procs").exists()]
+    return tuple(path for path in found if os.access(path, os.W_OK))
+
+
+@dataclass
+class CgroupPlacement:
+    """Where this kubelet puts containers: `<hierarchy>/<prefix>/<kubelet's path>` in each hierarchy.
+
+    The prefix keeps concurrent kubelets (tests, demos) apart; the node agent reads only the
+    last two components of a path (pod, container), as under a real kubelet's own parent.
+    """
+
+    prefix: str = field(default_factory=lambda: f"kai-demo-{secrets.token_hex(6)}")
+    driver: CgroupDriver = CgroupDriver.CGROUPFS
+    hierarchies: tuple[Path, ...] = field(default_factory=cgroup_hierarchies)
+    created: list[Path] = field(default_factory=list)
+
+    def create(self, pod_uid: str, container_id: str) -> list[Path]:
+        """The container's cgroup in every hierarchy, made now (parents too)."""
+        relative = kubelet_cgroup_path(pod_uid, container_id, driver=self.driver)
+        made = []
+        for hierarchy in self.hierarchies:
+            path = hierarchy / self.prefix / relative
+            path.mkdir(parents=True, exist_ok=True)
+            self.created.append(path)
+            made.append(path)
+        return made
+
+    def remove(self, timeout_s: float = 10) -> None:
+        """Kill what is left in our cgroups and remove them, deepest first, up to the prefix."""
+        for hierarchy in self.hierarchies:
+            top = hierarchy / self.prefix
+            if not top.exists():
+                continue
+            for path in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True) + [top]:
+                _empty_and_remove(path, timeout_s)
+        self.created.clear()
+
+
+def _empty_and_remove(path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            for pid in (path / "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)  # a killed process leaves its cgroup only once it is reaped
+
+
+def new_container_id() -> str:
+    """A container id as containerd makes one: 64 hex digits."""
+    return secrets.token_hex(32)
 
 
 @dataclass(frozen=True)
@@ -80,8 +158,9 @@ def container_mounts(pod: Obj, container: Obj, env: dict[str, str], host_root: P
     return mounts
 
 
-def namespace_script(mounts: Sequence[Mount], scratch: Path) -> str:
-    """Shell that builds the container's view: overlays on each target's parent, then the bind mounts."""
+def namespace_script(mounts: Sequence[Mount], scratch: Path, cgroups: Sequence[Path] = ()) -> str:
+    """Shell that builds the container's view: overlays on each target's parent, then the bind
+    mounts; then it joins the container's cgroups, so that its first process there is the program."""
     lines = []
     for index, parent in enumerate(sorted({os.path.dirname(m.target) for m in mounts})):
         upper, work = scratch / f"upper-{index}", scratch / f"work-{index}"
@@ -99,6 +178,7 @@ def namespace_script(mounts: Sequence[Mount], scratch: Path) -> str:
         lines.append(f"mount --bind {shlex.quote(str(mount.source))} {shlex.quote(mount.target)}")
         if mount.read_only:
             lines.append(f"mount -o remount,bind,ro {shlex.quote(mount.target)}")
+    lines.extend(f"echo $$ > {shlex.quote(str(cgroup / 'cgroup.procs'))}" for cgroup in cgroups)
     lines.append(f"echo {STARTED}")
     lines.append('exec "$@"')
     return " && ".join(lines)
@@ -119,9 +199,12 @@ class Session:
 class ContainerProcess:
     """One running container: its main process, and `exec` into it like `kubectl exec`."""
 
-    def __init__(self, process: asyncio.subprocess.Process, env: dict[str, str]) -> None:
+    def __init__(self, process: asyncio.subprocess.Process, env: dict[str, str], container_id: str = "",
+                 cgroups: Sequence[Path] = ()) -> None:
         self.process = process
         self.env = env
+        self.container_id = container_id
+        self.cgroups = list(cgroups)
 
     @property
     def pid(self) -> int:
@@ -152,25 +235,64 @@ class ContainerProcess:
         return Session(process)
 
     def _enter(self, argv: Sequence[str]) -> list[str]:
-        return ["nsenter", "-t", str(self.pid), "-m", "--", *argv]
+        # Like `kubectl exec`: into the namespace first, then the cgroup, then the program, so
+        # nothing in the container's cgroup ever runs outside its mounts.
+        return ["nsenter", "-t", str(self.pid), "-m", "--", *joined(self.cgroups, argv)]
+
+    def pids(self) -> list[int]:
+        """Every process now in the container's cgroup (its main process, execs and their children)."""
+        if not self.cgroups:
+            return [self.pid]
+        try:
+            return sorted(int(pid) for pid in (self.cgroups[0] / "cgroup.procs").read_text().split())
+        except OSError:
+            return []
 
     async def stop(self) -> None:
         if self.process.returncode is None:
             self.process.send_signal(signal.SIGKILL)
         await self.process.wait()
+        for pid in self.pids():  # what was exec'd into the container stops with it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def joined(cgroups: Sequence[Path], argv: Sequence[str]) -> list[str]:
+    """`argv`, started inside `cgroups` (unchanged when there are none)."""
+    if not cgroups:
+        return list(argv)
+    return ["sh", "-c", _JOIN, "sh", *map(str, cgroups), "--", *argv]
+
+
+def pod_container_id(pod: Obj, container: str) -> str:
+    """The runtime id `status.containerStatuses` gives `container`, if it is a real one (64 hex digits)."""
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        if status.get("name") == container:
+            found = container_id_from_status(status.get("containerID") or "")
+            if re.fullmatch(r"[0-9a-f]{64}", found):
+                return found
+    return ""
 
 
 async def start_container(pod: Obj, container: Obj, argv: Sequence[str], *, configmaps: dict[str, dict[str, str]],
-                          host_root: Path, scratch: Path, extra_env: dict[str, str]) -> ContainerProcess:
-    """Start `argv` as `container` of `pod`; `extra_env` stands for what the node adds (the GPU driver path)."""
+                          host_root: Path, scratch: Path, extra_env: dict[str, str],
+                          placement: CgroupPlacement | None = None) -> ContainerProcess:
+    """Start `argv` as `container` of `pod`; `extra_env` stands for what the node adds (the GPU driver path).
+
+    With a `placement`, the container runs in a cgroup named as the kubelet names it, with
+    the id `status.containerStatuses` gives it (or a new one).
+    """
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **extra_env, **container_env(pod, container, configmaps)}
     mounts = container_mounts(pod, container, env, host_root)
-    script = namespace_script(mounts, scratch)
+    container_id = pod_container_id(pod, container.get("name", "")) or new_container_id()
+    uid = (pod.get("metadata") or {}).get("uid", "")
+    cgroups = placement.create(uid, container_id) if placement is not None and uid else []
+    script = namespace_script(mounts, scratch, cgroups)
     process = await asyncio.create_subprocess_exec(
         "unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *argv,
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )
-    container = ContainerProcess(process, env)
+    container = ContainerProcess(process, env, container_id, cgroups)
     # exec into the container only once its mounts exist, as kubelet starts the process only then.
     if await container.read_line() != STARTED:
         await container.stop()

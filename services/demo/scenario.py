@@ -24,7 +24,7 @@ from kai_isolator.shared.events import AdmissionDecision, HealthVerdict, NodeSta
 from kai_isolator.shared.limits import parse_limit
 from kai_isolator.shared.tail import follow
 
-from .kubelet import ContainerProcess, start_container
+from .kubelet import CgroupPlacement, ContainerProcess, start_container
 
 if TYPE_CHECKING:
     from kai_isolator.services.dev import DevContext
@@ -105,6 +105,7 @@ class Demo:
         self.bus = bus
         self.containers: list[ContainerProcess] = []
         self.scratch = ctx.workdir / "demo"
+        self.cgroups = CgroupPlacement()
 
     async def run(self) -> None:
         await self.library_installed()
@@ -203,7 +204,7 @@ class Demo:
                 "waitfile", str(self.scratch / f"{name}.stop")]
         process = await start_container(
             current, container_spec, argv, configmaps=configmaps, host_root=Path(self.ctx.values["host_root"]),
-            scratch=self.scratch / name, extra_env={"LD_LIBRARY_PATH": str(HAMI_BUILD / "fake")},
+            scratch=self.scratch / name, extra_env={"LD_LIBRARY_PATH": str(HAMI_BUILD / "fake")}, placement=self.cgroups,
         )
         self.containers.append(process)
         preload = (await process.exec(["sh", "-c", "cat /etc/ld.so.preload 2>/dev/null"])).strip() or "(none)"
@@ -245,6 +246,7 @@ class Demo:
     async def stop(self) -> None:
         for container in self.containers:
             await container.stop()
+        await asyncio.to_thread(self.cgroups.remove)
 
 
 @contextlib.asynccontextmanager

@@ -147,14 +147,13 @@ class NodeAgent:
     async def on_inspect(self, request: InspectRequest) -> InspectReply:
         active = install.active_version(self.layout)
         try:
-            view = await asyncio.wait_for(
-                asyncio.to_thread(observe.inspect_container, self.layout, self.settings.proc_root, request.pod, request.container),
+            return await asyncio.wait_for(
+                asyncio.to_thread(observe.reply_to, self.layout, self.settings.proc_root, request, self.node, active),
                 self.settings.inspect_timeout_s,
             )
         except asyncio.TimeoutError:
-            view = observe.ContainerView(False, [], [], f"inspection took longer than {self.settings.inspect_timeout_s}s")
-        return InspectReply(node_name=self.node, pod=request.pod, container=request.container, found=view.found,
-                            processes=view.processes, devices=view.devices, installed_version=active, message=view.message)
+            return InspectReply(node_name=self.node, pod=request.pod, container=request.container, found=False, installed_version=active,
+                                message=f"inspection took longer than {self.settings.inspect_timeout_s}s")
 
     async def on_pod(self, event: PodIsolation) -> None:
         """Learn which pod a `<uid>_<container>` state directory belongs to (for usage labels)."""

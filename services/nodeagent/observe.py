@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from kai_isolator.shared import usage_cache
-from kai_isolator.shared.events import DeviceUsage, PodRef, ProcessReport, ProcessUsage, utcnow
+from kai_isolator.shared.events import DeviceUsage, InspectReply, InspectRequest, PodRef, ProcessReport, ProcessUsage, utcnow
 
 from . import procscan
 from .install import installed_versions, status
@@ -60,6 +60,13 @@ class ContainerView:
     processes: list[ProcessReport]
     devices: list[DeviceUsage]
     message: str = ""
+
+
+def reply_to(layout: HostLayout, proc_root: Path, request: InspectRequest, node: str, installed: str | None) -> InspectReply:
+    """The agent's answer to an inspect request."""
+    view = inspect_container(layout, proc_root, request.pod, request.container)
+    return InspectReply(node_name=node, pod=request.pod, container=request.container, found=view.found,
+                        processes=view.processes, devices=view.devices, installed_version=installed, message=view.message)
 
 
 def inspect_container(layout: HostLayout, proc_root: Path, pod: PodRef, container: str) -> ContainerView:

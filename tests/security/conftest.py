@@ -1,0 +1,34 @@
+"""Fixtures for attack tests: a simulated GPU node per test (each cgroup driver), as root only."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from kai_isolator.services.demo.kubelet import cgroup_hierarchies
+from kai_isolator.shared.cgroups import CgroupDriver
+from security.container import REPO, SimNode
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="simulated containers need mount namespaces and cgroups (root)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hamicore_built() -> None:
+    proc = subprocess.run(["make", "-s", "-C", str(REPO / "hami-core")], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.fixture(params=[CgroupDriver.CGROUPFS, CgroupDriver.SYSTEMD], ids=["cgroupfs", "systemd"])
+async def node(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[SimNode]:
+    """A GPU node with our library installed, a private fake-driver ledger, and the kubelet's cgroups."""
+    if os.geteuid() != 0 or not cgroup_hierarchies():
+        pytest.skip("simulated containers need root: mount namespaces and writable cgroup hierarchies")
+    sim = SimNode(tmp_path / "host", tmp_path, request.param)
+    try:
+        yield sim
+    finally:
+        await sim.stop()

@@ -1,0 +1,275 @@
+"""Simulated GPU-sharing containers built exactly as our webhook injects them, for attack tests.
+
+A pod goes through the real admission mutation (services/admission), gets KAI's limit
+ConfigMap, and is started by the demo kubelet: private mount namespace, read-only library
+dir and preload (and grant dir when the webhook mounts one), writable state dir, in a cgroup
+named as the kubelet names it. Every process talks to the fake driver through one private
+node-wide ledger (FAKE_CUDA_STATE), so a test asserts on what really reached the "driver",
+then runs the node agent's inspection and the verifier's judgement on the container.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonpatch
+
+from kai_isolator.services.admission.mutation import InjectionConfig
+from kai_isolator.services.admission.webhook import Webhook
+from kai_isolator.services.demo.kubelet import CgroupPlacement, ContainerProcess, start_container
+from kai_isolator.services.nodeagent import install, observe
+from kai_isolator.services.nodeagent.layout import HostLayout
+from kai_isolator.services.verifier.judge import Judgement, judge
+from kai_isolator.shared.cgroups import CgroupDriver
+from kai_isolator.shared.contract import (
+    DEFAULT_GRANT_DIR, DEFAULT_STATE_DIR, DEFAULT_VGPU_MOUNT, GPU_MEMORY_ANNOTATION, GRANT_FILE, GRANT_VOLUME, LIMIT_ENV,
+)
+from kai_isolator.shared.events import InspectReply, InspectRequest, PodIsolation, PodRef
+from kai_isolator.shared.grant import DeviceGrant, Grant, GrantSource
+from kai_isolator.shared.limits import parse_limit
+
+REPO = Path(__file__).resolve().parents[2]
+BUILD = REPO / "hami-core" / "build"
+LIBVGPU = BUILD / "libvgpu.so"
+FAKE_DIR = BUILD / "fake"
+CUPROBE = BUILD / "tests" / "cuprobe"
+NAMESPACE = "tenant"
+NODE = "gpu-node-sec"
+GIB = 1 << 30
+MIB = 1 << 20
+FAKE_GPU_UUID = "GPU-0000fa4e-1111-2222-3333-000000000000"  # the fake NVML's device 0
+LIBRARY_PATH = f"{DEFAULT_VGPU_MOUNT}/libvgpu.so"  # what the verifier expects in /etc/ld.so.preload
+
+Obj = dict[str, Any]
+
+
+def gpu_pod(name: str, *, gpu_memory: str = "1024", containers: list[Obj] | None = None,
+            annotations: dict[str, str] | None = None) -> Obj:
+    """A pod as a tenant submits it: KAI's gpu-memory annotation, nothing of ours yet."""
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE, "uid": str(uuid.uuid4()),
+                     "annotations": {GPU_MEMORY_ANNOTATION: gpu_memory, **(annotations or {})}},
+        "spec": {"schedulerName": "kai-scheduler",
+                 "containers": containers or [{"name": "main", "image": "tenant/cuda:latest", "command": ["train"]}]},
+    }
+
+
+def admit(pod: Obj, config: InjectionConfig | None = None) -> Obj:
+    """The pod after our webhook: the real decision logic on a real AdmissionReview, its patch applied."""
+    review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": str(uuid.uuid4()), "kind": {"group": "", "version": "v1", "kind": "Pod"},
+        "resource": {"group": "", "version": "v1", "resource": "pods"}, "operation": "CREATE",
+        "namespace": pod["metadata"]["namespace"], "object": pod}}
+    answer = Webhook(config or InjectionConfig(), "warn").handle(json.dumps(review).encode())
+    response = json.loads(answer.body)["response"]
+    assert response["allowed"], response
+    patch = json.loads(base64.b64decode(response["patch"])) if response.get("patch") else []
+    return jsonpatch.apply_patch(pod, patch)
+
+
+def kai_bind(pod: Obj, limit: str, container: str = "main") -> tuple[Obj, dict[str, dict[str, str]]]:
+    """What KAI adds at binding: the limit env from a ConfigMap its binder writes, and the node."""
+    bound = json.loads(json.dumps(pod))
+    configmap = f"{pod['metadata']['name']}-shared-gpu-0"
+    for spec in bound["spec"]["containers"]:
+        if spec["name"] == container:
+            spec.setdefault("env", []).append({"name": LIMIT_ENV, "valueFrom": {"configMapKeyRef": {
+                "name": configmap, "key": LIMIT_ENV, "optional": True}}})
+    bound["spec"]["nodeName"] = NODE
+    return bound, {configmap: {LIMIT_ENV: limit}}
+
+
+class Background:
+    """A program running inside a container; its merged output is read line by line."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+        self.lines: list[str] = []
+
+    async def wait_for(self, text: str, timeout_s: float = 30) -> str:
+        """The first line (from now) containing `text`; fails with everything read if the program exits first."""
+        assert self.process.stdout is not None
+        while True:
+            raw = await asyncio.wait_for(self.process.stdout.readline(), timeout_s)
+            if not raw:
+                raise AssertionError(f"exited ({await self.process.wait()}) before printing {text!r}: {self.lines}")
+            line = raw.decode().rstrip("\n")
+            self.lines.append(line)
+            if text in line:
+                return line
+
+    async def stop(self) -> None:
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+        await self.process.wait()
+
+
+@dataclass
+class Container:
+    """One running simulated container and what the tests need to attack and judge it."""
+
+    pod: Obj
+    name: str
+    limit: str
+    process: ContainerProcess
+    node: SimNode
+
+    @property
+    def pod_ref(self) -> PodRef:
+        meta = self.pod["metadata"]
+        return PodRef(namespace=meta["namespace"], name=meta["name"], uid=meta["uid"])
+
+    @property
+    def container_id(self) -> str:
+        return self.process.container_id
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment kubelet gave the container (the tenant can change it in its processes)."""
+        return self.process.env
+
+    @property
+    def state_dir(self) -> Path:
+        """The container's writable state dir, on the host (`/run/kai-isolator` inside)."""
+        return self.node.layout.containers_dir / f"{self.pod_ref.uid}_{self.name}"
+
+    async def run(self, argv: list[str], env: dict[str, str] | None = None, timeout_s: float = 30) -> subprocess.CompletedProcess[str]:
+        """Run `argv` inside the container (its cgroup and mounts), like `kubectl exec`; `env` replaces the container's."""
+        process = await asyncio.create_subprocess_exec(
+            *self.process._enter(argv), env=self.env if env is None else env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(process.communicate(), timeout_s)
+        return subprocess.CompletedProcess(argv, process.returncode or 0, out.decode(), err.decode())
+
+    async def background(self, argv: list[str], env: dict[str, str] | None = None) -> Background:
+        """Start `argv` inside the container and leave it running (killed when the node stops)."""
+        process = await asyncio.create_subprocess_exec(
+            *self.process._enter(argv), env=self.env if env is None else env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+        )
+        started = Background(process)
+        self.node.background.append(started)
+        return started
+
+    async def hold(self, nbytes: int, env: dict[str, str] | None = None) -> Background:
+        """A CUDA process in the container that allocates `nbytes` (CUDA_SUCCESS asserted) and keeps them."""
+        holder = await self.background([str(CUPROBE), "init", "ctx", "0", "alloc", str(nbytes), "hold", "600000"], env)
+        line = await holder.wait_for("alloc ")
+        assert " rc=0" in line, line
+        await holder.wait_for("holding")
+        return holder
+
+    def isolation(self) -> PodIsolation:
+        """The `running` event the watcher would publish for this pod."""
+        return PodIsolation(pod=self.pod_ref, resource_version="1", state="running", phase="Running", node_name=NODE,
+                            container=self.name, injected=True, gpu_memory=self.pod["metadata"]["annotations"].get(GPU_MEMORY_ANNOTATION),
+                            expected_limit=self.limit)
+
+    def inspect(self, *, with_container_id: bool = True) -> InspectReply:
+        """What the node agent answers the verifier about this container, right now."""
+        request = InspectRequest(node_name=NODE, pod=self.pod_ref, container=self.name,
+                                 **({"container_id": self.container_id} if with_container_id else {}))
+        return self.node.inspect(request)
+
+    def judge(self, reply: InspectReply | None = None) -> Judgement:
+        """The verifier's verdict on what the node agent sees."""
+        return judge(self.isolation(), reply or self.inspect(), LIBRARY_PATH)
+
+
+@dataclass
+class SimNode:
+    """One simulated GPU node: a temp host root with our library installed, a fake GPU with a
+    private node-wide ledger, and a kubelet that places containers in kubelet-named cgroups."""
+
+    root: Path
+    scratch: Path
+    driver: CgroupDriver
+    gpu_total_mib: int = 15360
+    layout: HostLayout = field(init=False)
+    ledger: Path = field(init=False)
+    placement: CgroupPlacement = field(init=False)
+    version: str = field(init=False)
+    containers: list[Container] = field(default_factory=list)
+    background: list[Background] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.layout = HostLayout(self.root, DEFAULT_VGPU_MOUNT)
+        self.ledger = self.scratch / "fake-driver.ledger"
+        self.placement = CgroupPlacement(prefix=f"kai-sec-{uuid.uuid4().hex[:12]}", driver=self.driver)
+        _, self.version = install.read_library(LIBVGPU)
+        install.activate(self.layout, self.version, {self.version: LIBVGPU})
+
+    @property
+    def driver_env(self) -> dict[str, str]:
+        """What the node gives every container to reach the (fake) driver. The real driver does not
+        depend on the environment, so an attack that clears its environment puts this back."""
+        return {"LD_LIBRARY_PATH": str(FAKE_DIR), "FAKE_CUDA_STATE": str(self.ledger),
+                "FAKE_CUDA_TOTAL_MIB": str(self.gpu_total_mib)}
+
+    async def start(self, pod: Obj, argv: list[str] | None = None, *, limit: str = "1g", container: str = "main",
+                    grant: bool = True) -> Container:
+        """Admit `pod`, bind it with `limit`, write its grant if the webhook mounts one, and start
+        `container` running `argv` (by default a process that idles, for attacks run with `exec`)."""
+        admitted = admit(pod)
+        bound, configmaps = kai_bind(admitted, limit, container)
+        bound["status"] = {"phase": "Running"}
+        spec = next(c for c in bound["spec"]["containers"] if c["name"] == container)
+        if grant and any(v.get("name") == GRANT_VOLUME for v in bound["spec"].get("volumes") or []):
+            self.write_grant(bound, container, limit)
+        process = await start_container(
+            bound, spec, argv or ["sleep", "infinity"], configmaps=configmaps, host_root=self.root,
+            scratch=self.scratch / f"{bound['metadata']['name']}-{container}", extra_env=self.driver_env, placement=self.placement,
+        )
+        bound["status"]["containerStatuses"] = [{"name": container, "containerID": f"containerd://{process.container_id}"}]
+        started = Container(bound, container, limit, process, self)
+        self.containers.append(started)
+        return started
+
+    def write_grant(self, pod: Obj, container: str, limit: str) -> Path:
+        """The grant the node agent writes (root-owned, 0444) before the container starts."""
+        meta = pod["metadata"]
+        directory = self.root / DEFAULT_GRANT_DIR.lstrip("/") / f"{meta['uid']}_{container}"
+        directory.mkdir(parents=True, exist_ok=True)
+        grant = Grant(pod_uid=meta["uid"], namespace=meta["namespace"], pod=meta["name"], container=container,
+                      devices=(DeviceGrant(uuid=FAKE_GPU_UUID, limit_bytes=parse_limit(limit)),), source=GrantSource.CONFIGMAP)
+        path = directory / GRANT_FILE
+        path.write_text(grant.model_dump_json())
+        path.chmod(0o444)
+        return path
+
+    def inspect(self, request: InspectRequest) -> InspectReply:
+        """The node agent's answer to an inspect request, computed as the agent computes it."""
+        return observe.reply_to(self.layout, Path("/proc"), request, NODE, install.active_version(self.layout))
+
+    def driver_stats(self, device: int = 0) -> dict[str, int]:
+        """The fake driver's node-wide counters for a physical device (dead processes released)."""
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **self.driver_env}
+        proc = subprocess.run([str(CUPROBE), "--path=link", "fake", str(device)], env=env, capture_output=True,
+                              text=True, timeout=30, check=True)
+        line = next(line for line in proc.stdout.splitlines() if line.startswith("fake "))
+        return {key: int(value) for key, _, value in (item.partition("=") for item in line.split()[2:])}
+
+    def driver_used(self, device: int = 0) -> int:
+        """Bytes every process on the node really holds on `device`: the attack's ground truth."""
+        return self.driver_stats(device)["used"]
+
+    async def stop(self) -> None:
+        for program in self.background:
+            await program.stop()
+        for container in self.containers:
+            await container.process.stop()
+        await asyncio.to_thread(self.placement.remove)
