@@ -305,9 +305,12 @@ class ProcessReport(BaseModel):
     model_config = ConfigDict(frozen=True)
     pid: int
     preload: str | None = Field(None, description="content of /etc/ld.so.preload as the process sees it")
-    library_mapped: bool = False
+    preload_ours: bool | None = Field(None, description="/etc/ld.so.preload is the node's file (device and inode); None: not checked")
+    library_mapped: bool = Field(False, description="maps the library the node installed (device and inode, never the name)")
     library_version: str | None = None
+    library_not_ours: str | None = Field(None, description="path of a mapped file named like the library that is not the node's")
     memory_limit_env: str | None = None
+    grant_mounted: bool | None = Field(None, description="sees the node's grant dir at /etc/kai-isolator; None: not checked")
 
 
 class InspectReply(Payload):
@@ -320,6 +323,7 @@ class InspectReply(Payload):
     devices: list[DeviceUsage] = Field(default_factory=list)
     installed_version: str | None = None
     message: str = ""
+    usage_cache_tampered: list[str] = Field(default_factory=list, description="what shows the accounting file was tampered with")
 
 
 class InstallRequest(Payload):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from kai_isolator.services.demo.kubelet import CgroupPlacement, cgroup_hierarchies
 from kai_isolator.services.nodeagent.agent import NodeAgent
 from kai_isolator.services.nodeagent.settings import NodeAgentSettings
 from kai_isolator.shared.settings import BusSettings
@@ -41,3 +43,13 @@ async def start_agent(bus_settings: BusSettings, tmp_path: Path, libraries: Libr
     yield factory
     for agent in reversed(started):
         await agent.stop()
+
+
+@pytest.fixture
+def kubelet_cgroups() -> Iterator[CgroupPlacement]:
+    """Kubelet-named cgroups under a prefix unique to this test (the agent finds containers by them)."""
+    if os.geteuid() != 0 or not cgroup_hierarchies():
+        pytest.skip("placing processes in kubelet-named cgroups needs root and a writable cgroup hierarchy")
+    placement = CgroupPlacement()
+    yield placement
+    placement.remove()

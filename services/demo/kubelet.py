@@ -74,6 +74,13 @@ class CgroupPlacement:
             made.append(path)
         return made
 
+    def place(self, pid: int, pod_uid: str, container_id: str) -> list[Path]:
+        """Move a running process (and so its future children) into the container's cgroup."""
+        made = self.create(pod_uid, container_id)
+        for path in made:
+            (path / "cgroup.procs").write_text(str(pid))
+        return made
+
     def remove(self, timeout_s: float = 10) -> None:
         """Kill what is left in our cgroups and remove them, deepest first, up to the prefix."""
         for hierarchy in self.hierarchies:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kubernetes_asyncio import client, config
 
-from kai_isolator.shared.contract import GPU_MEMORY_ANNOTATION, INJECT_ANNOTATION, LIMIT_ENV
+from kai_isolator.shared.contract import GPU_MEMORY_ANNOTATION, GRANT_VOLUME, INJECT_ANNOTATION, LIMIT_ENV
 from kai_isolator.shared.errors import IsolatorError
 from kai_isolator.shared.events import AdmissionDecision, HealthVerdict, NodeStatus, Payload, PodIsolation
 from kai_isolator.shared.limits import parse_limit
@@ -211,14 +211,25 @@ class Demo:
         say("kubelet", f"{name}: container main started, pid {process.pid}, private mount namespace; /etc/ld.so.preload: {preload}")
         return process
 
-    async def verdict(self, pod: dict[str, Any], expected: str) -> None:
+    async def verdict(self, pod: dict[str, Any], expected: str) -> HealthVerdict:
+        """Wait for the pod's verdict; `verified` stands for what a healthy pod gets (see `healthy`)."""
         name = pod["metadata"]["name"]
         verdict: HealthVerdict = await self.bus.wait_for(
             f"the verifier's verdict on {name}", lambda e: isinstance(e, HealthVerdict) and e.pod.name == name)
         reasons = ", ".join(r.code for r in verdict.reasons) or "preload active, library mapped, limit matches"
         say("verifier", f"{name}: {verdict.verdict.upper()} ({reasons})")
-        if verdict.verdict != expected:
-            raise DemoFailed(f"{name} was judged {verdict.verdict}, expected {expected}")
+        wanted, codes = self.healthy(pod) if expected == "verified" else (expected, None)
+        if verdict.verdict != wanted or (codes is not None and [r.code for r in verdict.reasons] != codes):
+            raise DemoFailed(f"{name} was judged {verdict.verdict} ({reasons}), expected {wanted}")
+        return verdict
+
+    @staticmethod
+    def healthy(pod: dict[str, Any]) -> tuple[str, list[str]]:
+        """The verdict and reasons of a well-behaved injected pod: `verified` when the webhook mounts
+        the node-written grant; without one its limit comes from the environment the tenant controls."""
+        if any(v.get("name") == GRANT_VOLUME for v in (pod.get("spec") or {}).get("volumes") or []):
+            return "verified", []
+        return "degraded", ["limit-from-env"]
 
     async def configmaps(self, container: dict[str, Any]) -> dict[str, dict[str, str]]:
         found = {}

@@ -1,5 +1,6 @@
 """What the agent observes on its node: the self-check of the active library, one
-container's processes (for inspect requests) and every container's usage.cache."""
+container's processes (for inspect requests; found by cgroup, judged by device and inode)
+and every container's usage.cache."""
 
 from __future__ import annotations
 
@@ -7,13 +8,18 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 from pydantic import BaseModel
 
 from kai_isolator.shared import usage_cache
+from kai_isolator.shared.cgroups import container_id_from_status, container_of_pid
+from kai_isolator.shared.contract import (
+    DEFAULT_GRANT_DIR, GRANT_MOUNT_PATH, LIMIT_ENV, PRELOAD_PATH, SHARED_CACHE_ENV, USAGE_CACHE_PATH,
+)
 from kai_isolator.shared.events import DeviceUsage, InspectReply, InspectRequest, PodRef, ProcessReport, ProcessUsage, utcnow
 
 from . import procscan
@@ -22,6 +28,7 @@ from .layout import LIBRARY_LINK, HostLayout, version_from_name
 
 _POD_UID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _CONTAINER = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+_CONTAINER_ID = re.compile(r"^[0-9a-f]{64}$")
 _MAPS_PROBE = "import sys; sys.stdout.write(open('/proc/self/maps').read())"
 
 
@@ -60,89 +67,183 @@ class ContainerView:
     processes: list[ProcessReport]
     devices: list[DeviceUsage]
     message: str = ""
+    tampering: list[str] = field(default_factory=list)
 
 
 def reply_to(layout: HostLayout, proc_root: Path, request: InspectRequest, node: str, installed: str | None) -> InspectReply:
     """The agent's answer to an inspect request."""
-    view = inspect_container(layout, proc_root, request.pod, request.container)
+    view = inspect_container(layout, proc_root, request.pod, request.container, request.container_id)
     return InspectReply(node_name=node, pod=request.pod, container=request.container, found=view.found,
-                        processes=view.processes, devices=view.devices, installed_version=installed, message=view.message)
+                        processes=view.processes, devices=view.devices, installed_version=installed, message=view.message,
+                        usage_cache_tampered=view.tampering)
 
 
-def inspect_container(layout: HostLayout, proc_root: Path, pod: PodRef, container: str) -> ContainerView:
-    """Every host process of the container: those carrying the POD_UID / CONTAINER_NAME the webhook
-    injects, and their descendants that cleared their environment (`su -`, `env -i`)."""
-    if not _POD_UID.match(pod.uid) or not _CONTAINER.match(container):
-        return ContainerView(False, [], [], "pod uid and container name must be Kubernetes names")
-    ours = _our_libraries(layout)
+def inspect_container(layout: HostLayout, proc_root: Path, pod: PodRef, container: str, container_id: str = "") -> ContainerView:
+    """Every host process of the container, found by the cgroup the kubelet put it in (never by
+    anything in its environment), and what each really maps and sees, by device and inode."""
+    container_id = container_id_from_status(container_id)
+    if not _POD_UID.match(pod.uid) or not _CONTAINER.match(container) or (container_id and not _CONTAINER_ID.match(container_id)):
+        return ContainerView(False, [], [], "pod uid and container name must be Kubernetes names (and a container id 64 hex digits)")
+    pids, problem = container_pids(proc_root, pod.uid, container, container_id)
+    own = _Identities.of(layout, pod.uid, container)
     reports: list[ProcessReport] = []
-    cache_roots: list[tuple[Path, str]] = []
-    for pid, env in _container_processes(proc_root, pod.uid, container):
+    cache_roots: list[tuple[Path, str]] = [(layout.containers_dir, f"{pod.uid}_{container}/usage.cache")]
+    cache_maps: list[tuple[int, procscan.MappedFile]] = []
+    for pid in pids:
         maps = procscan.mapped_files(proc_root, pid)
         if maps is None:
             continue  # exited while we looked: a normal answer, just not this process
-        version = _mapped_version(maps, ours)
+        env = procscan.environ(proc_root, pid) or {}
         root = proc_root / str(pid) / "root"
+        version, decoy = _mapped_library(maps, own.libraries)
+        preload_id = procscan.identity_in_root(root, PRELOAD_PATH)
         reports.append(ProcessReport(
-            pid=pid, preload=procscan.read_in_root(root, "/etc/ld.so.preload"),
-            library_mapped=version is not None, library_version=version,
-            memory_limit_env=env.get("CUDA_DEVICE_MEMORY_LIMIT"),
+            pid=pid, preload=procscan.read_in_root(root, PRELOAD_PATH),
+            preload_ours=preload_id is not None and preload_id == own.preload,
+            library_mapped=version is not None, library_version=version, library_not_ours=decoy,
+            memory_limit_env=env.get(LIMIT_ENV),
+            grant_mounted=own.grant_dir is not None and procscan.identity_in_root(root, GRANT_MOUNT_PATH) == own.grant_dir,
         ))
-        if env.get("CUDA_DEVICE_MEMORY_SHARED_CACHE"):
-            cache_roots.append((root, env["CUDA_DEVICE_MEMORY_SHARED_CACHE"]))
-    cache_roots.append((layout.containers_dir, f"{pod.uid}_{container}/usage.cache"))
+        cache_maps += [(pid, m) for m in maps if m.path == USAGE_CACHE_PATH or (m.device, m.inode) == own.cache]
+        if env.get(SHARED_CACHE_ENV):
+            cache_roots.append((root, env[SHARED_CACHE_ENV]))  # an upstream layout without our state mount
     devices, message = _first_usage(cache_roots)
-    found = bool(reports)
-    if not found:
-        message = "no running process of this container on the node" + (f"; {message}" if message else "")
-    return ContainerView(found, reports, devices, message)
+    tampering = _tampering(layout, proc_root, pod.uid, container, own.cache, cache_maps) if reports else []
+    if not reports:
+        message = "; ".join(m for m in ("no running process of this container on the node", problem, message) if m)
+    return ContainerView(bool(reports), reports, devices, message, tampering)
 
 
-def _container_processes(proc_root: Path, pod_uid: str, container: str) -> list[tuple[int, dict[str, str]]]:
-    marked: dict[int, dict[str, str]] = {}
-    unmarked: dict[int, dict[str, str]] = {}
+def container_pids(proc_root: Path, pod_uid: str, container: str, container_id: str = "") -> tuple[list[int], str]:
+    """Host pids in the container's kubelet cgroup: by its runtime id when known, else the one of
+    the pod's containers that mounts `<pod uid>_<container>` (its state or grant dir)."""
+    by_id: dict[str, list[int]] = {}
     for pid in procscan.pids(proc_root):
-        env = procscan.environ(proc_root, pid)
-        if env is None:
-            continue
-        if env.get("POD_UID") == pod_uid and env.get("CONTAINER_NAME") == container:
-            marked[pid] = env
-        elif "POD_UID" not in env:
-            unmarked[pid] = env
-    # A descendant without the markers is the container's own process that dropped its
-    # environment (`su -`, `env -i`, an SSH session): it belongs to the report, not outside it.
-    cleared = {pid: env for pid, env in unmarked.items() if _descends_from(proc_root, pid, marked)}
-    return sorted({**marked, **cleared}.items())
+        found = container_of_pid(pid, proc_root)
+        if found is not None and found.pod_uid == pod_uid:
+            by_id.setdefault(found.container_id, []).append(pid)
+    if container_id:
+        return by_id.get(container_id, []), ""
+    subdir = f"{pod_uid}_{container}"
+    named = [cid for cid, pids in by_id.items() if _mounts_subdir(proc_root, pids, subdir)]
+    if len(named) == 1:
+        return by_id[named[0]], ""
+    if not named and len(by_id) == 1:
+        return next(iter(by_id.values())), ""
+    if by_id:
+        return [], f"{len(by_id)} containers of the pod run here and {len(named)} mount {subdir}: which one is {container} is unknown"
+    return [], ""
 
 
-def _descends_from(proc_root: Path, pid: int, ancestors: dict[int, dict[str, str]]) -> bool:
-    seen = set()
-    current = procscan.parent(proc_root, pid)
-    while current and current > 1 and current not in seen:
-        if current in ancestors:
-            return True
-        seen.add(current)
-        current = procscan.parent(proc_root, current)
+def _mounts_subdir(proc_root: Path, pids: list[int], subdir: str) -> bool:
+    for pid in pids:
+        roots = procscan.mount_roots(proc_root, pid)
+        if roots is not None:
+            return any(root.rstrip("/").endswith(f"/{subdir}") for root in roots.values())
     return False
 
 
-def _our_libraries(layout: HostLayout) -> dict[tuple[tuple[int, int], int], str]:
-    found = {}
-    for version in installed_versions(layout):
-        ident = procscan.identity(layout.library(version))
-        if ident:
-            found[ident] = version
+@dataclass(frozen=True)
+class _Identities:
+    """(device, inode) of what the node installed for one container: the only things that count as ours."""
+
+    libraries: dict[procscan.Identity, str]
+    preload: procscan.Identity | None
+    grant_dir: procscan.Identity | None
+    cache: procscan.Identity | None
+
+    @classmethod
+    def of(cls, layout: HostLayout, pod_uid: str, container: str) -> _Identities:
+        subdir = f"{pod_uid}_{container}"
+        libraries = {}
+        for version in installed_versions(layout):
+            ident = procscan.identity(layout.library(version))
+            if ident:
+                libraries[ident] = version
+        return cls(libraries, procscan.identity(layout.preload),
+                   procscan.identity_in_root(layout.host_root / DEFAULT_GRANT_DIR.lstrip("/"), subdir),
+                   procscan.identity_in_root(layout.containers_dir, f"{subdir}/usage.cache"))
+
+
+def _mapped_library(maps: list[procscan.MappedFile], ours: dict[procscan.Identity, str]) -> tuple[str | None, str | None]:
+    """(our version it maps, else None; the path of a mapped file named like ours that is not ours)."""
+    decoy = None
+    for mapped in maps:
+        if (mapped.device, mapped.inode) in ours:
+            return ours[(mapped.device, mapped.inode)], None
+        if os.path.basename(mapped.path).startswith(LIBRARY_LINK):
+            decoy = decoy or mapped.path
+    return None, decoy
+
+
+# --- tampering with the accounting file --------------------------------------------------------
+
+_SLOTS_BASE = 64 + usage_cache.DEVICES * 128  # shm_layout.h: header, then device records, then slots
+_SLOT_BYTES = (usage_cache.FILE_SIZE - _SLOTS_BASE) // usage_cache.SLOTS
+_RECHECK_S = 0.05
+
+
+def _tampering(layout: HostLayout, proc_root: Path, pod_uid: str, container: str, cache: procscan.Identity | None,
+               cache_maps: list[tuple[int, procscan.MappedFile]]) -> list[str]:
+    """What shows the container's accounting file was changed behind the library's back.
+
+    Only files some live process of the container maps are judged (the library has then
+    initialised them); each finding is confirmed by a second look, so an update in flight
+    is never taken for tampering.
+    """
+    if not cache_maps:
+        return []
+    found = []
+    for pid, mapped in cache_maps:
+        if mapped.deleted:
+            found.append(f"pid {pid} maps an accounting file that was deleted")
+        elif (mapped.device, mapped.inode) != cache:
+            found.append(f"pid {pid} maps an accounting file that was replaced by another one")
+    path = f"{pod_uid}_{container}/usage.cache"
+    first = _file_findings(layout, proc_root, path, cache, cache_maps)
+    if first:
+        time.sleep(_RECHECK_S)
+        again = _file_findings(layout, proc_root, path, cache, cache_maps)
+        found += [finding for finding in first if finding in again]
+    return sorted(set(found))
+
+
+def _file_findings(layout: HostLayout, proc_root: Path, path: str, cache: procscan.Identity | None,
+                   cache_maps: list[tuple[int, procscan.MappedFile]]) -> list[str]:
+    if cache is None:
+        return []  # gone: its mappings say so
+    try:
+        snapshot = read_cache_in_root(layout.containers_dir, path)
+    except usage_cache.TornReadError:
+        return []
+    except (OSError, usage_cache.UsageCacheError) as error:
+        return [f"the accounting file is no longer valid: {error}"]
+    found = []
+    for device in snapshot.devices:
+        held = sum(p.used_bytes.get(device.index, 0) for p in snapshot.processes)
+        if device.used_bytes != held:
+            found.append(f"device {device.index}: total {device.used_bytes} bytes, but its processes hold {held}")
+    found += _wiped_slots(layout, proc_root, path, cache, {pid for pid, m in cache_maps if (m.device, m.inode) == cache})
     return found
 
 
-def _mapped_version(maps: list[procscan.MappedFile], ours: dict[tuple[tuple[int, int], int], str]) -> str | None:
-    for mapped in maps:
-        name = os.path.basename(mapped.path)
-        if (mapped.device, mapped.inode) in ours:
-            return ours[(mapped.device, mapped.inode)]
-        if name.startswith(LIBRARY_LINK):
-            return version_from_name(name) or "unknown"
-    return None
+def _wiped_slots(layout: HostLayout, proc_root: Path, path: str, cache: procscan.Identity, pids: set[int]) -> list[str]:
+    """A live process holds the lock of its slot all its life: a locked slot that names nobody,
+    or someone else, was overwritten."""
+    found = []
+    try:
+        with procscan.open_in_root(layout.containers_dir, path) as fd:
+            for pid in sorted(pids):
+                me = procscan.namespaced_pid(proc_root, pid)
+                for device, inode, first, last in procscan.file_locks(proc_root, pid):
+                    if (device, inode) != cache or first < _SLOTS_BASE or last - first + 1 != _SLOT_BYTES:
+                        continue
+                    named = int.from_bytes(os.pread(fd, 4, first), "little", signed=True)
+                    if named != me:
+                        found.append(f"pid {pid}'s slot {(first - _SLOTS_BASE) // _SLOT_BYTES} was overwritten (names pid {named})")
+    except OSError:
+        return []
+    return found
 
 
 def _first_usage(candidates: list[tuple[Path, str]]) -> tuple[list[DeviceUsage], str]:

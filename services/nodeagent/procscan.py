@@ -16,6 +16,9 @@ MAX_ENVIRON = 1 << 20
 MAX_LINKS = 40
 
 
+Identity = tuple[tuple[int, int], int]  # ((major, minor), inode), as /proc/<pid>/maps spells a file
+
+
 @dataclass(frozen=True)
 class MappedFile:
     path: str  # as the process sees it, without the " (deleted)" suffix
@@ -65,6 +68,65 @@ def environ(proc_root: Path, pid: int) -> dict[str, str] | None:
     return {key: value for key, sep, value in pairs if sep}
 
 
+def mount_roots(proc_root: Path, pid: int) -> dict[str, str] | None:
+    """Mount point -> root of that mount within its filesystem, from /proc/<pid>/mountinfo
+    (the kubelet's subPath shows there as the root); None when the process is gone."""
+    try:
+        with open(proc_root / str(pid) / "mountinfo", "rb") as info:
+            data = info.read()
+    except OSError:
+        return None
+    found = {}
+    for raw in data.splitlines():
+        fields = raw.decode(errors="replace").split()
+        if len(fields) > 4:
+            found[_unescape(fields[4])] = _unescape(fields[3])
+    return found
+
+
+def file_locks(proc_root: Path, pid: int) -> list[tuple[tuple[int, int], int, int, int]]:
+    """Write locks the process's open files hold: (device, inode, first byte, last byte), from fdinfo."""
+    base = proc_root / str(pid) / "fdinfo"
+    try:
+        fds = os.listdir(base)
+    except OSError:
+        return []
+    locks = []
+    for fd in fds:
+        try:
+            with open(base / fd, "rb") as info:
+                data = info.read(MAX_SMALL_FILE)
+        except OSError:
+            continue
+        for raw in data.splitlines():
+            # lock:	1: OFDLCK ADVISORY  WRITE -1 fe:00:10051812 2112 2303
+            fields = raw.decode(errors="replace").split()
+            if len(fields) < 9 or fields[0] != "lock:" or fields[4] != "WRITE":
+                continue
+            major, minor, inode = fields[6].split(":") if fields[6].count(":") == 2 else ("", "", "")
+            with contextlib.suppress(ValueError):
+                locks.append(((int(major, 16), int(minor, 16)), int(inode), int(fields[7]),
+                              -1 if fields[8] == "EOF" else int(fields[8])))
+    return locks
+
+
+def namespaced_pid(proc_root: Path, pid: int) -> int | None:
+    """The pid the process has in its own (innermost) PID namespace, as it writes it into files."""
+    try:
+        with open(proc_root / str(pid) / "status", "rb") as status_file:
+            for raw in status_file.read().splitlines():
+                if raw.startswith(b"NSpid:"):
+                    return int(raw.split()[-1])
+    except (OSError, ValueError):
+        return None
+    return pid
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as octal
+    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
 def parent(proc_root: Path, pid: int) -> int | None:
     """The parent pid from /proc/<pid>/stat; None when the process is gone."""
     try:
@@ -77,7 +139,7 @@ def parent(proc_root: Path, pid: int) -> int | None:
     return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
 
 
-def identity(path: Path) -> tuple[tuple[int, int], int] | None:
+def identity(path: Path) -> Identity | None:
     """(device, inode) of a file as /proc/<pid>/maps spells it; None if it does not exist."""
     try:
         st = os.stat(path)
@@ -94,6 +156,25 @@ def open_in_root(root: Path, path: str, *, final_link_ok: bool = True) -> Iterat
     stops at it), so a tenant's link to a host file reaches nothing outside its container.
     FIFOs, devices and directories are refused, and nothing blocks.
     """
+    with _walk_in_root(root, path, os.O_RDONLY | os.O_NONBLOCK, final_link_ok=final_link_ok) as fd:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        yield fd
+
+
+def identity_in_root(root: Path, path: str) -> Identity | None:
+    """(device, inode) of what `path` is for a process whose `/` is `root` (file or directory,
+    symlinks resolved inside `root`); None when it does not exist there or cannot be reached."""
+    try:
+        with _walk_in_root(root, path, os.O_PATH) as fd:
+            st = os.fstat(fd)
+    except OSError:
+        return None
+    return (os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino
+
+
+@contextlib.contextmanager
+def _walk_in_root(root: Path, path: str, final_flags: int, *, final_link_ok: bool = True) -> Iterator[int]:
     root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     stack: list[int] = []
     fd = -1
@@ -120,11 +201,9 @@ def open_in_root(root: Path, path: str, *, final_link_ok: bool = True) -> Iterat
             if parts:
                 stack.append(os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=here))
             else:
-                fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=here)
+                fd = os.open(name, final_flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=here)
         if fd < 0:
             raise OSError(errno.EISDIR, "not a file", path)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
         yield fd
     finally:
         for handle in [*stack, root_fd] + ([fd] if fd >= 0 else []):

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 
 from kai_isolator.shared.errors import ConfigError
-from kai_isolator.shared.events import InspectReply, PodIsolation, Reason, Verdict
+from kai_isolator.shared.events import InspectReply, PodIsolation, ProcessReport, Reason, Verdict
 from kai_isolator.shared.limits import parse_limit
 
 MISSING_CODES = frozenset({"not-injected", "no-limit-granted", "no-preload", "library-not-loaded"})
@@ -51,25 +51,50 @@ def judge(pod: PodIsolation, reply: InspectReply, library_path: str) -> Judgemen
     return Judgement("degraded" if reasons else "verified", tuple(reasons))
 
 
+def judge_unobservable(pod: PodIsolation, inspections: int, seconds: float) -> Judgement:
+    """A Running pod's container in which the node agent found no process, again and again.
+    The message names the thresholds, not the counts, so the verdict is one observation."""
+    return Judgement("degraded", (Reason(
+        code="unobservable",
+        message=f"the node agent on {pod.node_name} found no process of container {pod.container} "
+                f"in {inspections} inspections over at least {seconds:g}s"),))
+
+
 def _preload_reasons(reply: InspectReply, library_path: str) -> list[Reason]:
-    without_preload = [p.pid for p in reply.processes if library_path not in (p.preload or "").split()]
-    without_library = [p.pid for p in reply.processes if not p.library_mapped]
+    without_preload = [p.pid for p in reply.processes if not _preload_ok(p, library_path)]
+    decoys = {p.pid: p.library_not_ours for p in reply.processes if not p.library_mapped and p.library_not_ours}
+    without_library = [p.pid for p in reply.processes if not p.library_mapped and p.pid not in decoys]
     if len(without_preload) == len(reply.processes):
-        return [Reason(code="no-preload", message=f"/etc/ld.so.preload does not name {library_path} in any process")]
+        return [Reason(code="no-preload", message=f"/etc/ld.so.preload is not the node's file naming {library_path} in any process")]
     if len(without_library) == len(reply.processes):
         return [Reason(code="library-not-loaded", message="no process of the container maps libvgpu.so")]
     reasons = []
     if without_preload:
         reasons.append(Reason(code="preload-mismatch", message=f"pids {_pids(without_preload)} see another /etc/ld.so.preload"))
+    if decoys:
+        paths = ", ".join(sorted(set(decoys.values())))  # type: ignore[arg-type]
+        reasons.append(Reason(code="library-not-ours", message=f"pids {_pids(list(decoys))} map {paths}, which is not the node's libvgpu.so"))
     if without_library:
         reasons.append(Reason(code="process-without-library", message=f"pids {_pids(without_library)} do not map libvgpu.so"))
     return reasons
 
 
+def _preload_ok(process: ProcessReport, library_path: str) -> bool:
+    # By identity when the agent checked it: a file of the same content elsewhere is not ours.
+    names = library_path in (process.preload or "").split()
+    return names and process.preload_ours is not False
+
+
 def _limit_reasons(reply: InspectReply, granted: str, expected: int | None) -> list[Reason]:
-    lost = [p.pid for p in reply.processes if not p.memory_limit_env]
-    wrong = [p.pid for p in reply.processes if p.memory_limit_env and _limit_bytes(p.memory_limit_env) != expected]
+    # A process that sees the node's grant takes its limit from there, whatever its environment says.
+    from_env = [p for p in reply.processes if not p.grant_mounted]
+    lost = [p.pid for p in from_env if not p.memory_limit_env]
+    wrong = [p.pid for p in from_env if p.memory_limit_env and _limit_bytes(p.memory_limit_env) != expected]
+    without_grant = [p.pid for p in reply.processes if p.grant_mounted is False]
     reasons = []
+    if without_grant:
+        reasons.append(Reason(code="limit-from-env", message=f"pids {_pids(without_grant)} see no node-written grant at /etc/kai-isolator: "
+                                                            "their limit comes from an environment the tenant controls"))
     if lost:
         reasons.append(Reason(code="limit-env-missing", message=f"pids {_pids(lost)} have no CUDA_DEVICE_MEMORY_LIMIT"))
     if wrong:
@@ -78,9 +103,10 @@ def _limit_reasons(reply: InspectReply, granted: str, expected: int | None) -> l
 
 
 def _usage_reasons(reply: InspectReply, expected: int | None) -> list[Reason]:
+    tampered = [Reason(code="usage-cache-tampered", message="; ".join(reply.usage_cache_tampered))] if reply.usage_cache_tampered else []
     if not reply.devices:
-        return [Reason(code="usage-cache-missing", message="the container's usage cache is absent or unreadable")]
-    reasons = []
+        return [*tampered, Reason(code="usage-cache-missing", message="the container's usage cache is absent or unreadable")]
+    reasons = tampered
     for device in reply.devices:
         if device.unlimited:
             reasons.append(Reason(code="usage-cache-unlimited", message=f"device {device.index} runs without a limit"))

@@ -21,7 +21,7 @@ from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.errors import IsolatorError
 from kai_isolator.shared.events import HealthVerdict, InspectReply, InspectRequest, NodeStatus, PodIsolation
 
-from .judge import Judgement, judge, judge_without_inspection
+from .judge import Judgement, judge, judge_unobservable, judge_without_inspection
 from .kube import PodNotifier
 from .settings import VerifierSettings
 
@@ -30,6 +30,17 @@ log = logging.getLogger(__name__)
 
 class NotObservableYet(IsolatorError):
     """The container cannot be inspected right now (agent silent, no process yet): retry, never guess."""
+
+
+class NoProcessSeen(NotObservableYet):
+    """The node agent answered, and found no process of the container."""
+
+
+class UnseenRecord(BaseModel):
+    """Inspections in a row that found no process of a container, since when (epoch seconds)."""
+
+    count: int
+    since: float
 
 
 class VerdictRecord(BaseModel):
@@ -83,7 +94,7 @@ class Verifier:
     async def verify(self, pod: PodIsolation) -> HealthVerdict | None:
         """Emit the verdict for this pod unless this exact observation was already emitted."""
         started = time.perf_counter()
-        judgement = judge_without_inspection(pod) or judge(pod, await self._inspect(pod), self.library_path)
+        judgement = judge_without_inspection(pod) or await self._judge_inspected(pod)
         container = pod.container or ""
         key = self._verdict_key(pod)
         if await self._last_observation(key) == judgement.observation:
@@ -105,6 +116,32 @@ class Verifier:
     def _verdict_key(pod: PodIsolation) -> str:
         return f"verdict.{pod.pod.uid}.{pod.container or '-'}"
 
+    async def _judge_inspected(self, pod: PodIsolation) -> Judgement:
+        """The verdict from the node agent's view; `unobservable` once it kept finding nothing."""
+        key = f"unseen.{pod.pod.uid}.{pod.container or '-'}"
+        try:
+            reply = await self._inspect(pod)
+        except NoProcessSeen:
+            unseen = await self._count_unseen(key)
+            wanted, after = self.settings.unobservable_inspections, self.settings.unobservable_after_s
+            if unseen.count >= wanted and time.time() - unseen.since >= after:
+                return judge_unobservable(pod, wanted, after)
+            raise
+        with contextlib.suppress(KeyNotFoundError):
+            if (await self._kv.get(key)).value:
+                await self._kv.purge(key)  # seen again: the count starts over
+        return judge(pod, reply, self.library_path)
+
+    async def _count_unseen(self, key: str) -> UnseenRecord:
+        try:
+            entry = await self._kv.get(key)
+            previous = UnseenRecord.model_validate_json(entry.value or b"")
+            unseen = UnseenRecord(count=previous.count + 1, since=previous.since)
+        except (KeyNotFoundError, ValueError):
+            unseen = UnseenRecord(count=1, since=time.time())
+        await self._kv.put(key, unseen.model_dump_json().encode())
+        return unseen
+
     async def _inspect(self, pod: PodIsolation) -> InspectReply:
         if not pod.node_name or not pod.container:
             raise NotObservableYet(f"{pod.pod.namespace}/{pod.pod.name} has no node or target container yet")
@@ -113,7 +150,7 @@ class Verifier:
         if not isinstance(reply, InspectReply):
             raise NotObservableYet(f"node agent answered {reply.event_type}")
         if not reply.found or not reply.processes:
-            raise NotObservableYet(f"no process of {pod.pod.namespace}/{pod.pod.name}:{pod.container} on {pod.node_name}: {reply.message}")
+            raise NoProcessSeen(f"no process of {pod.pod.namespace}/{pod.pod.name}:{pod.container} on {pod.node_name}: {reply.message}")
         return reply
 
     async def _tell_kubernetes(self, verdict: HealthVerdict) -> None:
@@ -146,7 +183,7 @@ class Verifier:
     async def _forget(self, pod: PodIsolation) -> None:
         # The tombstone stops a late redelivery of the pod's `running` event from reviving it.
         await self._kv.put(f"gone.{pod.pod.uid}", b"")
-        for key in (f"pod.{pod.pod.uid}", self._verdict_key(pod)):
+        for key in (f"pod.{pod.pod.uid}", self._verdict_key(pod), f"unseen.{pod.pod.uid}.{pod.container or '-'}"):
             with contextlib.suppress(KeyNotFoundError):
                 await self._kv.purge(key)
 

@@ -23,4 +23,6 @@ class VerifierSettings(BaseSettings):
     kubernetes_events: bool = Field(True, description="post Kubernetes Events on pods")
     container_vgpu_mount: str = Field(DEFAULT_VGPU_MOUNT, description="where the library is mounted in containers")
     inspect_timeout_s: float = Field(5.0, gt=0)
+    unobservable_inspections: int = Field(3, ge=1, description="a Running container with no process in this many inspections ...")
+    unobservable_after_s: float = Field(30.0, ge=0, description="... spanning at least this long is `degraded: unobservable`")
     health_bucket: str = Field("isolator-pod-health", pattern=r"^[A-Za-z0-9_-]+$")

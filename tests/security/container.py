@@ -172,6 +172,17 @@ class Container:
         await holder.wait_for("holding")
         return holder
 
+    @property
+    def grant_mounted(self) -> bool:
+        """The webhook mounted the node-written grant into this container."""
+        return any(v.get("name") == GRANT_VOLUME for v in self.pod["spec"].get("volumes") or [])
+
+    @property
+    def healthy_codes(self) -> list[str]:
+        """The reasons a well-behaved container of this pod is judged with: none with a grant,
+        `limit-from-env` without (its limit then comes from an environment the tenant controls)."""
+        return [] if self.grant_mounted else ["limit-from-env"]
+
     def isolation(self) -> PodIsolation:
         """The `running` event the watcher would publish for this pod."""
         return PodIsolation(pod=self.pod_ref, resource_version="1", state="running", phase="Running", node_name=NODE,
@@ -187,6 +198,34 @@ class Container:
     def judge(self, reply: InspectReply | None = None) -> Judgement:
         """The verifier's verdict on what the node agent sees."""
         return judge(self.isolation(), reply or self.inspect(), LIBRARY_PATH)
+
+
+# (attack, outcome, verdict codes) of every attack run this session, printed after the tests.
+OUTCOMES: list[tuple[str, str, str]] = []
+
+
+def blocked_or_detected(container: Container, grant_bytes: int, *codes: str) -> str:
+    """The outcome of an attack that is over: `blocked` when the fake driver never held more than the
+    grant for the whole node, else `detected`, which needs a verdict naming every one of `codes`."""
+    peak = container.node.driver_stats()["peak"]
+    judgement = container.judge()
+    named = [reason.code for reason in judgement.reasons]
+    outcome = "blocked" if peak <= grant_bytes else "detected"
+    if outcome == "detected":
+        assert judgement.verdict != "verified" and set(codes) <= set(named), (
+            f"past the grant (driver peak {peak} bytes) and the verdict is {judgement.verdict} {judgement.reasons}")
+    OUTCOMES.append((f"{container.pod_ref.name} [{container.node.driver.value}]", f"{outcome} (driver peak {peak >> 20} MiB of {grant_bytes >> 20})",
+                     f"{judgement.verdict}: {', '.join(named) or '-'}"))
+    return outcome
+
+
+def decoy_library(directory: Path) -> Path:
+    """What a tenant brings: a shared object named libvgpu.so that intercepts nothing."""
+    directory.mkdir(parents=True, exist_ok=True)
+    source, decoy = directory / "decoy.c", directory / "libvgpu.so"
+    source.write_text("int kai_decoy_marker = 1;\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(decoy), str(source)], check=True, capture_output=True)
+    return decoy
 
 
 @dataclass

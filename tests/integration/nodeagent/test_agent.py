@@ -10,6 +10,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from nodeagent_harness import MIB, Libraries, namespaced_worker, preloaded_worker
+from kai_isolator.services.demo.kubelet import CgroupPlacement, new_container_id
 from kai_isolator.services.nodeagent import install
 from kai_isolator.services.nodeagent.layout import version_of
 from kai_isolator.services.nodeagent.settings import NODE_BUCKET
@@ -70,31 +71,37 @@ async def test_failing_self_check_is_reported(start_agent, start_runtime: Runtim
     assert status.self_check == "failed" and not status.ready and "exited 1" in status.message
 
 
-async def test_inspect_a_host_process(start_agent, start_runtime: RuntimeFactory, libraries: Libraries) -> None:
+async def test_inspect_a_host_process(start_agent, start_runtime: RuntimeFactory, libraries: Libraries, kubelet_cgroups: CgroupPlacement) -> None:
     client = await start_runtime("tester")
     agent = await start_agent("gpu-node-4")
     worker = preloaded_worker(agent.layout.link, container_env(agent.layout.host_root))
+    container_id = new_container_id()
+    kubelet_cgroups.place(worker.pid, UID, container_id)
     try:
         assert worker.alloc(256 * MIB) == 0
-        reply = await client.request(InspectRequest(node_name="gpu-node-4", pod=POD, container="main"), timeout_s=30)
+        request = InspectRequest(node_name="gpu-node-4", pod=POD, container="main", container_id=f"containerd://{container_id}")
+        reply = await client.request(request, timeout_s=30)
     finally:
         worker.stop()
     assert isinstance(reply, InspectReply) and reply.found
     [process] = reply.processes
     assert process.pid == worker.pid and process.library_mapped
     assert process.library_version == version_of(libraries.v1.read_bytes()) == reply.installed_version
-    assert process.memory_limit_env == "1g"
+    assert process.memory_limit_env == "1g" and process.grant_mounted is False
     assert process.preload == (Path("/etc/ld.so.preload").read_text() if os.path.exists("/etc/ld.so.preload") else None)
+    assert process.preload_ours is False  # this machine's /etc/ld.so.preload is not the node agent's file
     assert reply.devices[0].used_bytes == 256 * MIB and reply.devices[0].limit_bytes == 1 << 30
 
 
-async def test_inspect_a_container_in_its_own_mount_namespace(start_agent, start_runtime: RuntimeFactory, libraries: Libraries, tmp_path: Path) -> None:
+async def test_inspect_a_container_in_its_own_mount_namespace(start_agent, start_runtime: RuntimeFactory, libraries: Libraries, tmp_path: Path,
+                                                             kubelet_cgroups: CgroupPlacement) -> None:
     client = await start_runtime("tester")
     agent = await start_agent("gpu-node-5")
     cache_dir = tmp_path / "inside"
     cache_dir.mkdir()
     env = container_env(agent.layout.host_root, limit="512m", cache=str(cache_dir / "usage.cache"))
     container = namespaced_worker(agent.layout.host_root, tmp_path / "ns", env)
+    kubelet_cgroups.place(container.pid, UID, new_container_id())
     try:
         assert container.alloc(100 * MIB) == 0
         assert container.alloc(600 * MIB) == 2  # the library enforces the container's limit
@@ -104,6 +111,7 @@ async def test_inspect_a_container_in_its_own_mount_namespace(start_agent, start
     assert isinstance(reply, InspectReply) and reply.found
     process = next(p for p in reply.processes if p.pid == container.pid)
     assert process.preload == "/usr/local/vgpu/libvgpu.so\n"  # its own /etc/ld.so.preload, not this machine's
+    assert process.preload_ours  # the node's very file (device and inode), bind-mounted read-only
     assert process.library_mapped and process.library_version == version_of(libraries.v1.read_bytes())
     assert process.memory_limit_env == "512m"
     assert reply.devices[0].used_bytes == 100 * MIB and reply.devices[0].limit_bytes == 512 * MIB

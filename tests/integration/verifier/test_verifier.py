@@ -163,3 +163,33 @@ async def test_a_deleted_pod_is_forgotten_and_a_late_running_event_does_not_revi
     await publisher.publish(pod_event("p1", resource_version="8"))
     await eventually(lambda: verifier.runtime.metrics.handled.labels("verifier-pods", "ok")._value.get() == 3)
     assert await verifier.tracked_pods() == [] and len(verdicts) == 1
+
+
+async def test_a_running_container_never_seen_is_unobservable_once(
+    agent: ScriptedAgent, bus_settings: BusSettings, start_runtime: RuntimeFactory, verdicts: list[HealthVerdict]
+) -> None:
+    settings = VerifierSettings(kubernetes_events=False, reverify_s=3600, pending_retry_s=0.2, inspect_timeout_s=1,
+                                unobservable_inspections=3, unobservable_after_s=1.0)
+    async with running(settings, bus_settings, bus_settings.nats_url or "") as verifier:
+        publisher = await start_runtime("watcher-stand-in")
+        await publisher.publish(pod_event("hidden"))  # e.g. `exec env -i` once hid it from an agent that looked for POD_UID
+        await eventually(lambda: len(verdicts) == 1, timeout_s=15)
+        first_ask = agent.requests[0]
+        assert len(agent.requests) >= 3
+        [verdict] = verdicts
+        assert verdict.verdict == "degraded" and [r.code for r in verdict.reasons] == ["unobservable"]
+        assert "3 inspections over at least 1s" in verdict.reasons[0].message
+        asked = len(agent.requests)
+        await asyncio.sleep(1.5)  # the pending-pod pass no longer retries it; redeliveries repeat nothing
+        assert len(verdicts) == 1 and len(agent.requests) <= asked + settings_redeliveries(bus_settings)
+        assert first_ask.container == "main"
+
+        agent.limits["hidden"] = "4147m"  # its process shows up after all: judged as any other
+        for tracked in await verifier.tracked_pods():
+            await verifier.verify(tracked)
+        await eventually(lambda: len(verdicts) == 2)
+        assert verdicts[-1].verdict == "verified"
+
+
+def settings_redeliveries(bus_settings: BusSettings) -> int:
+    return bus_settings.max_deliver

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kai_isolator.services.verifier.judge import judge, judge_without_inspection
+from kai_isolator.services.verifier.judge import judge, judge_unobservable, judge_without_inspection
 from kai_isolator.shared.events import DeviceUsage, InspectReply, PodIsolation, PodRef, ProcessReport
 
 LIB = "/usr/local/vgpu/libvgpu.so"
@@ -99,3 +99,44 @@ def test_the_same_observation_has_the_same_digest_and_a_change_a_new_one() -> No
     healed = judge(running(), reply(process(10), process(11)), LIB)
     assert first.observation == again.observation
     assert first.observation != healed.observation
+
+
+# --- identity, the grant, tampering, and containers never seen ------------------------------------
+
+
+def test_a_decoy_of_the_same_name_is_library_not_ours_not_a_missing_library() -> None:
+    decoy = process(11, library_mapped=False, library_version=None, library_not_ours="/usr/local/vgpu/libvgpu.so.0123456789abcdef")
+    result = judge(running(), reply(process(10), decoy), LIB)
+    assert result.verdict == "degraded" and codes(result) == ["library-not-ours"]
+    assert "11" in result.reasons[0].message and "libvgpu.so.0123456789abcdef" in result.reasons[0].message
+    only_decoys = judge(running(), reply(decoy), LIB)
+    assert only_decoys.verdict == "degraded" and codes(only_decoys) == ["library-not-ours"]
+
+
+def test_a_preload_file_that_is_not_the_nodes_is_a_mismatch_whatever_it_says() -> None:
+    result = judge(running(), reply(process(10, preload_ours=True), process(11, preload_ours=False)), LIB)
+    assert codes(result) == ["preload-mismatch"] and "11" in result.reasons[0].message
+    assert codes(judge(running(), reply(process(10, preload_ours=False)), LIB)) == ["no-preload"]
+
+
+def test_without_the_grant_mount_the_limit_comes_from_the_environment() -> None:
+    result = judge(running(), reply(process(10, grant_mounted=False)), LIB)
+    assert result.verdict == "degraded" and codes(result) == ["limit-from-env"]
+
+
+def test_with_the_grant_mounted_the_environment_does_not_decide() -> None:
+    cleared = process(10, grant_mounted=True, memory_limit_env=None)
+    raised = process(11, grant_mounted=True, memory_limit_env="15g")
+    assert judge(running(), reply(cleared, raised), LIB).verdict == "verified"
+
+
+def test_a_tampered_accounting_file_is_degraded_and_says_how() -> None:
+    tampered = reply(process(10)).model_copy(update={"usage_cache_tampered": ["pid 10 maps an accounting file that was deleted"]})
+    result = judge(running(), tampered, LIB)
+    assert result.verdict == "degraded" and codes(result) == ["usage-cache-tampered"]
+    assert "deleted" in result.reasons[0].message
+
+
+def test_unobservable_is_one_observation_whatever_the_counts() -> None:
+    first, later = judge_unobservable(running(), 3, 30), judge_unobservable(running(), 3, 30)
+    assert first.verdict == "degraded" and codes(first) == ["unobservable"] and first.observation == later.observation
