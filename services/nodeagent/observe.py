@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from kai_isolator.shared import usage_cache
 from kai_isolator.shared.cgroups import container_id_from_status, container_of_pid
 from kai_isolator.shared.contract import (
-    DEFAULT_GRANT_DIR, GRANT_MOUNT_PATH, LIMIT_ENV, PRELOAD_PATH, SHARED_CACHE_ENV, USAGE_CACHE_PATH,
+    DEFAULT_GRANT_DIR, GRANT_MOUNT_PATH, LIMIT_ENV, PRELOAD_PATH, SHARED_CACHE_ENV, STATE_MOUNT_PATH,
 )
 from kai_isolator.shared.events import DeviceUsage, InspectReply, InspectRequest, PodRef, ProcessReport, ProcessUsage, utcnow
 
@@ -104,7 +104,8 @@ def inspect_container(layout: HostLayout, proc_root: Path, pod: PodRef, containe
             memory_limit_env=env.get(LIMIT_ENV),
             grant_mounted=own.grant_dir is not None and procscan.identity_in_root(root, GRANT_MOUNT_PATH) == own.grant_dir,
         ))
-        cache_maps += [(pid, m) for m in maps if m.path == USAGE_CACHE_PATH or (m.device, m.inode) == own.cache]
+        # The library maps nothing else from the state dir; a renamed file cannot leave that mount.
+        cache_maps += [(pid, m) for m in maps if m.path.startswith(f"{STATE_MOUNT_PATH}/") or (m.device, m.inode) == own.cache]
         if env.get(SHARED_CACHE_ENV):
             cache_roots.append((root, env[SHARED_CACHE_ENV]))  # an upstream layout without our state mount
     devices, message = _first_usage(cache_roots)

@@ -35,6 +35,25 @@ async def test_decoy_library_mounted_from_a_user_namespace_is_library_not_ours(n
     assert blocked_or_detected(container, GIB, "library-not-ours") == "detected"
 
 
+async def test_a_preload_remounted_from_a_user_namespace_is_not_the_nodes(node: SimNode, tmp_path: Path) -> None:
+    container = await node.start(gpu_pod("own-preload"), limit="1g")
+    tenant = tmp_path / "tenant"
+    tenant.mkdir()
+    (tenant / "same").write_text("/usr/local/vgpu/libvgpu.so\n")  # same words, not the node's file
+    (tenant / "empty").write_text("")
+    same = await container.background(["unshare", "-Urm", "sh", "-c", f'mount --bind {tenant / "same"} /etc/ld.so.preload && exec "$@"', "sh",
+                                       str(CUPROBE), "init", "ctx", "0", *HOLD])
+    await same.wait_for("holding")
+    empty = await container.background(["unshare", "-Urm", "sh", "-c", f'mount --bind {tenant / "empty"} /etc/ld.so.preload && exec "$@"', "sh",
+                                        str(CUPROBE), "init", "ctx", "0", "alloc", str(2 * GIB), *HOLD])
+    assert " rc=0" in await empty.wait_for("alloc ")  # no library at all in that process
+    await empty.wait_for("holding")
+
+    reply = container.inspect()
+    assert [p.preload_ours for p in reply.processes].count(False) == 2
+    assert blocked_or_detected(container, GIB, "preload-mismatch", "process-without-library") == "detected"
+
+
 async def test_an_entrypoint_that_clears_its_environment_is_still_found_and_judged(node: SimNode, tmp_path: Path) -> None:
     # `exec env -i ...` as the container's entrypoint: no process carries POD_UID or any limit.
     # Only the node's driver stays reachable (the real one needs no environment), and the
@@ -59,11 +78,15 @@ async def test_an_entrypoint_that_clears_its_environment_is_still_found_and_judg
 
 
 TAMPERING = {
-    # a process of the container rewrites its (writable) accounting file while another holds memory
-    "zero-file": "import os; f = os.open(P, os.O_WRONLY); os.pwrite(f, bytes(os.fstat(f).st_size), 0)",
-    "zero-counters": "import os; f = os.open(P, os.O_WRONLY); os.pwrite(f, bytes(os.fstat(f).st_size - 64), 64)",
-    "zero-totals": "import os, struct; f = os.open(P, os.O_WRONLY); [os.pwrite(f, bytes(8), 64 + 128 * d + 8) for d in range(16)]",
-    "delete": "import os; os.unlink(P)",
+    # a process of the container rewrites its (writable) accounting file while another holds memory;
+    # each with what the node agent then sees
+    "zero-file": ("import os; f = os.open(P, os.O_WRONLY); os.pwrite(f, bytes(os.fstat(f).st_size), 0)", "no longer valid"),
+    "zero-counters": ("import os; f = os.open(P, os.O_WRONLY); os.pwrite(f, bytes(os.fstat(f).st_size - 64), 64)", "was overwritten"),
+    "zero-totals": ("import os; f = os.open(P, os.O_WRONLY); [os.pwrite(f, bytes(8), 64 + 128 * d + 8) for d in range(16)]", "its processes hold"),
+    "truncate": ("import os; os.truncate(P, 0)", "no longer valid"),
+    "replace": ("import os, shutil; shutil.copyfile(P, P + '.new'); os.rename(P + '.new', P)", "deleted"),
+    "move-aside": ("import os; os.rename(P, P + '.old')", "replaced"),
+    "delete": ("import os; os.unlink(P)", "deleted"),
 }
 
 
@@ -72,13 +95,14 @@ async def test_a_tampered_accounting_file_is_blocked_or_reported(node: SimNode, 
     container = await node.start(gpu_pod(f"tamper-{how}"), limit="1g")
     await container.hold(768 * MIB)
     cache = "/run/kai-isolator/usage.cache"
-    tamper = await container.run(["python3", "-c", f"P = {cache!r}; " + TAMPERING[how]])
+    code, seen = TAMPERING[how]
+    tamper = await container.run(["python3", "-c", f"P = {cache!r}; {code}"])
     assert tamper.returncode == 0, tamper.stderr
+    reply = container.inspect()
+    assert any(seen in finding for finding in reply.usage_cache_tampered), reply.usage_cache_tampered
+    assert "usage-cache-tampered" in [r.code for r in container.judge(reply).reasons]
 
+    # Another process of the container now asks for what the file no longer shows as held.
     second = await container.run([str(CUPROBE), "init", "ctx", "0", "alloc", str(768 * MIB)])
     allocated = " rc=0" in next(line for line in second.stdout.splitlines() if line.startswith("alloc "))
     assert allocated == (blocked_or_detected(container, GIB, "usage-cache-tampered") == "detected")
-    # Whether or not the library held, the node agent names the tampering while it is visible.
-    reply = container.inspect()
-    assert reply.usage_cache_tampered, (how, reply)
-    assert "usage-cache-tampered" in [r.code for r in container.judge(reply).reasons]
