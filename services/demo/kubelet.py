@@ -228,7 +228,7 @@ class ContainerProcess:
     async def exec(self, argv: Sequence[str], timeout_s: float = 10) -> str:
         """Run `argv` inside the container's mount namespace with its environment; its output."""
         process = await asyncio.create_subprocess_exec(
-            *self._enter(argv), env=self.env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            *self.inside(argv), env=self.env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )
         out, _ = await asyncio.wait_for(process.communicate(), timeout_s)
         return out.decode()
@@ -236,12 +236,13 @@ class ContainerProcess:
     async def spawn(self, argv: Sequence[str], env: dict[str, str] | None = None) -> Session:
         """Start `argv` in the container in the background, like a shell session (`env` replaces the container's)."""
         process = await asyncio.create_subprocess_exec(
-            *self._enter(argv), env=self.env if env is None else env,
+            *self.inside(argv), env=self.env if env is None else env,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
         )
         return Session(process)
 
-    def _enter(self, argv: Sequence[str]) -> list[str]:
+    def inside(self, argv: Sequence[str]) -> list[str]:
+        """`argv` as a command line that runs it inside the container (its namespace and cgroup)."""
         # Like `kubectl exec`: into the namespace first, then the cgroup, then the program, so
         # nothing in the container's cgroup ever runs outside its mounts.
         return ["nsenter", "-t", str(self.pid), "-m", "--", *joined(self.cgroups, argv)]

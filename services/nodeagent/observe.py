@@ -24,7 +24,7 @@ from kai_isolator.shared.events import DeviceUsage, InspectReply, InspectRequest
 
 from . import procscan
 from .install import installed_versions, status
-from .layout import LIBRARY_LINK, HostLayout, version_from_name
+from .layout import LIBRARY_LINK, HostLayout
 
 _POD_UID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _CONTAINER = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")

@@ -127,18 +127,6 @@ def _unescape(field: str) -> str:
     return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
 
 
-def parent(proc_root: Path, pid: int) -> int | None:
-    """The parent pid from /proc/<pid>/stat; None when the process is gone."""
-    try:
-        with open(proc_root / str(pid) / "stat", "rb") as stat:
-            data = stat.read()
-    except OSError:
-        return None
-    # The command name may hold spaces and parentheses: the fields start after the last ')'.
-    fields = data[data.rfind(b")") + 2 :].split()
-    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
-
-
 def identity(path: Path) -> Identity | None:
     """(device, inode) of a file as /proc/<pid>/maps spells it; None if it does not exist."""
     try:

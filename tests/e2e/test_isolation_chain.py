@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 from pathlib import Path
 
@@ -134,5 +135,13 @@ def test_make_run_shows_the_whole_flow_and_leaves_nothing_running() -> None:
 
 
 def _pids_of(name: str) -> list[int]:
+    """This checkout's processes of that name (other checkouts may run tests on the machine at the same time)."""
     found = subprocess.run(["pgrep", "-x", name], capture_output=True, text=True)
-    return [int(p) for p in found.stdout.split()]
+    return [int(p) for p in found.stdout.split() if _runs_from_repo(int(p))]
+
+
+def _runs_from_repo(pid: int) -> bool:
+    try:
+        return Path(os.readlink(f"/proc/{pid}/exe")).is_relative_to(REPO)
+    except OSError:
+        return False

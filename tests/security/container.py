@@ -32,7 +32,7 @@ from kai_isolator.services.nodeagent.layout import HostLayout
 from kai_isolator.services.verifier.judge import Judgement, judge
 from kai_isolator.shared.cgroups import CgroupDriver
 from kai_isolator.shared.contract import (
-    DEFAULT_GRANT_DIR, DEFAULT_STATE_DIR, DEFAULT_VGPU_MOUNT, GPU_MEMORY_ANNOTATION, GRANT_FILE, GRANT_VOLUME, LIMIT_ENV,
+    DEFAULT_GRANT_DIR, DEFAULT_VGPU_MOUNT, GPU_MEMORY_ANNOTATION, GRANT_FILE, GRANT_VOLUME, LIMIT_ENV,
 )
 from kai_isolator.shared.events import InspectReply, InspectRequest, PodIsolation, PodRef
 from kai_isolator.shared.grant import DeviceGrant, Grant, GrantSource
@@ -148,7 +148,7 @@ class Container:
     async def run(self, argv: list[str], env: dict[str, str] | None = None, timeout_s: float = 30) -> subprocess.CompletedProcess[str]:
         """Run `argv` inside the container (its cgroup and mounts), like `kubectl exec`; `env` replaces the container's."""
         process = await asyncio.create_subprocess_exec(
-            *self.process._enter(argv), env=self.env if env is None else env,
+            *self.process.inside(argv), env=self.env if env is None else env,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )
         out, err = await asyncio.wait_for(process.communicate(), timeout_s)
@@ -157,7 +157,7 @@ class Container:
     async def background(self, argv: list[str], env: dict[str, str] | None = None) -> Background:
         """Start `argv` inside the container and leave it running (killed when the node stops)."""
         process = await asyncio.create_subprocess_exec(
-            *self.process._enter(argv), env=self.env if env is None else env,
+            *self.process.inside(argv), env=self.env if env is None else env,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
         )
         started = Background(process)
