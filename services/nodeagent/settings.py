@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from kai_isolator.shared import subjects
+from kai_isolator.shared.contract import DEFAULT_GRANT_DIR
+from kai_isolator.shared.errors import ConfigError
 from kai_isolator.shared.settings import _Settings
 
-from .layout import DEFAULT_MOUNT
+from .layout import DEFAULT_MOUNT, check_mount
 
 NODE_BUCKET = subjects.NODE_STATUS_BUCKET
 """KV bucket: node name -> the agent's latest NodeStatus (the installer reads it too)."""
@@ -28,3 +30,13 @@ class NodeAgentSettings(_Settings):
     inspect_timeout_s: float = Field(3.0, gt=0)
     self_check_timeout_s: float = Field(10.0, gt=0)
     self_check_command: list[str] | None = Field(None, description="probe run with LD_PRELOAD=libvgpu.so; default: check /proc/self/maps")
+    grant_dir: str = Field(DEFAULT_GRANT_DIR, description="host directory of per-container grants (under --host-root); the webhook mounts it read-only")
+    kubeconfig: Path | None = Field(None, description="kubeconfig for reading this node's pods; unset = in-cluster service account")
+
+    @field_validator("grant_dir")
+    @classmethod
+    def _grant_dir(cls, value: str) -> str:
+        try:
+            return check_mount(value)
+        except ConfigError as error:
+            raise ValueError(str(error).replace("--container-vgpu-mount", "--grant-dir")) from None

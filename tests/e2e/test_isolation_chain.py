@@ -122,5 +122,13 @@ def test_make_run_shows_the_whole_flow_and_leaves_nothing_running() -> None:
 
 
 def _pids_of(name: str) -> list[int]:
+    """This checkout's processes of that name (other checkouts on the machine run their own)."""
     found = subprocess.run(["pgrep", "-x", name], capture_output=True, text=True)
-    return [int(p) for p in found.stdout.split()]
+    return [int(p) for p in found.stdout.split() if _runs_from_repo(int(p))]
+
+
+def _runs_from_repo(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/exe").resolve().is_relative_to(REPO.resolve())
+    except OSError:
+        return False
