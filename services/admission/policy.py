@@ -55,7 +55,7 @@ def _target_findings(target: Target, desired: Desired, config: InjectionConfig) 
             elif wanted is not None:
                 if not same(item, wanted):
                     found.append(f"container {name} sets {var} itself (the webhook owns it)")
-            elif var in GRANT_ENV or var.startswith(PER_DEVICE_LIMIT_PREFIX):
+            elif var in GRANT_ENV or (var.startswith(PER_DEVICE_LIMIT_PREFIX) and var[len(PER_DEVICE_LIMIT_PREFIX):].isdigit()):
                 found.append(f"container {name} sets {var}, which would move the limits, devices or accounting the node's grant fixes")
     if container.get("envFrom"):
         # The webhook cannot see what a ConfigMap or Secret will hold at start: it may set any of the above.

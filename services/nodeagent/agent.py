@@ -77,6 +77,7 @@ class NodeAgent:
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self, url: str) -> None:
+        api = await grants.api_client(self.settings.kubeconfig)  # a broken configuration stops the agent before it serves
         await self.runtime.start(url)
         if self.settings.install_on_start and self.default_version and install.active_version(self.layout) is None:
             async with self._lock:
@@ -87,7 +88,6 @@ class NodeAgent:
             asyncio.create_task(self._every(self.settings.status_interval_s, self.refresh), name="status"),
             asyncio.create_task(self._every(self.settings.usage_interval_s, self.report_usage), name="usage"),
         ]
-        api = await grants.api_client(self.settings.kubeconfig)
         if api is None:
             log.warning("no Kubernetes API (no --kubeconfig, not in a cluster): no grants are written", extra={"node": self.node})
         else:

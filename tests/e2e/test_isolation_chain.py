@@ -28,6 +28,10 @@ async def test_healthy_pod_is_verified_and_the_limit_is_enforced(chain) -> None:
     assert "rc=2" in lines[4]  # CUDA_ERROR_OUT_OF_MEMORY past 4147m
     assert "| 1024MiB / 4147MiB |" in await container.exec([str(NVIDIA_SMI)])
     await chain.demo.verdict(pod, "verified")
+    grant = await chain.demo.granted(pod)
+    seen = await container.exec(["sh", "-c", "cat /etc/kai-isolator/grant.json; echo; echo x > /etc/kai-isolator/grant.json || echo refused"])
+    assert f'"pod_uid":"{pod["metadata"]["uid"]}"' in seen and f'"limit_bytes":{grant.limit_bytes}' in seen
+    assert seen.rstrip().endswith("refused")  # mounted read-only: the tenant reads its grant, never writes it
 
 
 async def test_pod_admitted_while_the_webhook_was_down_is_missing_with_a_warning_event(chain) -> None:  # type: ignore[no-untyped-def]

@@ -253,3 +253,30 @@ def test_stale_grants_go_only_after_the_grace(tmp_path: Path) -> None:
     assert collect_stale(root, {UID}, grace_s=3600) == []
     assert collect_stale(root, {UID}, grace_s=0) == [f"{gone}_main"]
     assert sorted(os.listdir(root)) == [f"{UID}_main"]
+
+
+# --- configuration ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["grants", "/", "/var/lib/../grants", "/var/lib/kai isolator"])
+def test_the_grant_dir_setting_must_be_a_clean_absolute_path(bad: str) -> None:
+    from pydantic import ValidationError
+
+    from kai_isolator.services.nodeagent.settings import NodeAgentSettings
+
+    with pytest.raises(ValidationError, match="--grant-dir"):
+        NodeAgentSettings(grant_dir=bad)
+    assert NodeAgentSettings().grant_dir == "/var/lib/kai-isolator/grants"
+
+
+async def test_without_an_api_no_client_and_a_broken_config_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kai_isolator.services.nodeagent.grants import api_client
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert await api_client(None) is None
+    with pytest.raises(ConfigError, match="cannot load a Kubernetes client configuration"):
+        await api_client(tmp_path / "no-such-kubeconfig")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    with pytest.raises(ConfigError, match="cannot load a Kubernetes client configuration"):
+        await api_client(None)  # in a pod without a service account token
