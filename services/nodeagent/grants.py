@@ -453,7 +453,15 @@ class GrantKeeper:
                     pod=_ref(pod), node_name=self.node, container=str(annotations.get(FRACTION_CONTAINER_ANNOTATION, "")), outcome="withheld",
                     reasons=[Reason(code="no-target-container", message="the pod names no container KAI would give the GPU share")]))
                 return
-            decision = decide(pod, container, await self._inputs(pod, container))
+            try:
+                inputs = await self._inputs(pod, container)
+            except (ApiException, aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+                # One unreadable ConfigMap (forbidden, the API away) must not hold up the other pods: retried.
+                why = f"HTTP {error.status}: {error.reason}" if isinstance(error, ApiException) else repr(error)
+                reason = Reason(code="inputs-unreadable", message=f"cannot read the pod's ConfigMap or its node ({why})")
+                decision = Decision(str(container.get("name") or ""), None, (reason,), retry=True)
+            else:
+                decision = decide(pod, container, inputs)
             await self._apply(tracked, pod, decision)
 
     async def _apply(self, tracked: _Tracked, pod: Obj, decision: Decision) -> None:
