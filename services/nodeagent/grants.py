@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config import ConfigException
@@ -308,7 +309,8 @@ async def api_client(kubeconfig: Path | None) -> client.ApiClient | None:
             config.load_incluster_config(client_configuration=configuration)
         else:
             return None
-    except (ConfigException, OSError) as error:
+    except (ConfigException, OSError, ValueError, TypeError, AttributeError, yaml.YAMLError) as error:
+        # A kubeconfig that is not YAML or not a kubeconfig fails in the loader in any of these ways.
         raise ConfigError(f"the node agent reads pods to write grants and cannot load a Kubernetes client configuration: {error}") from None
     return client.ApiClient(configuration)
 

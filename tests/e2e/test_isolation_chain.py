@@ -110,6 +110,7 @@ def test_make_run_shows_the_whole_flow_and_leaves_nothing_running() -> None:
         "libvgpu.so", "installed on gpu-node-1",
         "default/gpu-sharing-demo: injected into container main",
         "bound to gpu-node-1 with CUDA_DEVICE_MEMORY_LIMIT=4147m",
+        "gpu-sharing-demo: grant.json written for container main: 4147 MiB on GPU-0000fa4e-1111-2222-3333-000000000000",
         "/etc/ld.so.preload: /usr/local/vgpu/libvgpu.so",
         "cuMemAlloc 1 GiB: CUDA_SUCCESS",
         "nvidia-smi inside the container: | 1024MiB / 4147MiB |",

@@ -227,3 +227,21 @@ async def test_the_node_agent_writes_grants_and_publishes_decisions_on_the_bus(s
         assert (received[0].outcome, received[0].node_name, received[0].pod.name) == ("written", NODE, "via-agent")
     finally:
         await nc.drain()
+
+
+async def test_an_agent_with_a_broken_kubeconfig_stops_before_it_serves(start_agent: Any, tmp_path: Path) -> None:
+    from kai_isolator.shared.errors import ConfigError
+
+    (tmp_path / "kubeconfig").write_text("clusters: [not, a, kubeconfig")
+    with pytest.raises(ConfigError, match="cannot load a Kubernetes client configuration"):
+        await start_agent("broken", kubeconfig=tmp_path / "kubeconfig")
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", "just text", "clusters: {}\ncontexts: 3"])
+async def test_kubeconfigs_that_are_not_kubeconfigs_are_a_clear_error(tmp_path: Path, content: str) -> None:
+    from kai_isolator.services.nodeagent.grants import api_client
+    from kai_isolator.shared.errors import ConfigError
+
+    (tmp_path / "kubeconfig").write_text(content)
+    with pytest.raises(ConfigError, match="cannot load a Kubernetes client configuration"):
+        await api_client(tmp_path / "kubeconfig")
