@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import posixpath
 from pathlib import Path
 
 from pydantic import Field, field_validator
 
 from kai_isolator.shared import subjects
 from kai_isolator.shared.contract import DEFAULT_GRANT_DIR
-from kai_isolator.shared.errors import ConfigError
 from kai_isolator.shared.settings import _Settings
 
-from .layout import DEFAULT_MOUNT, check_mount
+from .layout import DEFAULT_MOUNT
 
 NODE_BUCKET = subjects.NODE_STATUS_BUCKET
 """KV bucket: node name -> the agent's latest NodeStatus (the installer reads it too)."""
@@ -36,7 +36,6 @@ class NodeAgentSettings(_Settings):
     @field_validator("grant_dir")
     @classmethod
     def _grant_dir(cls, value: str) -> str:
-        try:
-            return check_mount(value)
-        except ConfigError as error:
-            raise ValueError(str(error).replace("--container-vgpu-mount", "--grant-dir")) from None
+        if not value.startswith("/") or value.startswith("//") or value == "/" or posixpath.normpath(value) != value:
+            raise ValueError(f"--grant-dir must be a normalised absolute directory other than /, got {value!r}")
+        return value
