@@ -220,3 +220,28 @@ def test_other_kinds_are_allowed_untouched(kit: SimpleNamespace, webhook: Webhoo
     answer = webhook.handle(kit.review_of({"kind": "ConfigMap", "metadata": {"annotations": FRACTION}}, kind="ConfigMap"))
     assert kit.response_of(answer) == {"uid": "uid-1", "allowed": True}
     assert answer.record.reason.startswith("not a Pod")
+
+
+def test_configured_grant_dir_is_mounted_read_only_per_container(kit: SimpleNamespace) -> None:
+    config = InjectionConfig(grant_dir="/srv/grants")
+    view = read_pod(kit.make_pod({**FRACTION, "gpu-fraction-container-name": "gpu"}, ["sidecar", "gpu"]))
+    ops = patch_ops(view, find_target(view), config)
+    assert {"name": GRANT_VOLUME, "hostPath": {"path": "/srv/grants", "type": "DirectoryOrCreate"}} in ops[0]["value"]
+    assert grant_mount("gpu") in kit.ops_for(ops, "/spec/containers/1/volumeMounts")[0]["value"]
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"grant_dir": "grants"}, "absolute path"),
+    ({"grant_dir": "/"}, "must not be /"),
+    ({"grant_dir": "/var/lib/kai-isolator/containers/g"}, "grant_dir /var/lib/kai-isolator/containers/g and state_dir"),
+    ({"grant_dir": "/var/lib"}, "must not contain each other"),
+    ({"grant_dir": "/usr/local/vgpu/grants"}, "and container_vgpu_mount /usr/local/vgpu must not contain each other"),
+])
+def test_a_grant_dir_inside_or_around_the_state_or_library_dir_is_refused(fields: dict[str, str], message: str) -> None:
+    from pydantic import ValidationError
+
+    from kai_isolator.services.admission.settings import AdmissionSettings
+
+    with pytest.raises(ValidationError, match=message):
+        AdmissionSettings(**fields)
+    assert AdmissionSettings(grant_dir="/var/lib/kai-isolator/grants/").grant_dir == "/var/lib/kai-isolator/grants"
