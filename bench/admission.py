@@ -39,6 +39,7 @@ def gpu_review(uid: str) -> bytes:
         "metadata": {"name": "train-7f9c", "namespace": "team-a", "labels": {"app": "train"},
                      "annotations": {"gpu-fraction": "0.5", "runai/shared-gpu-configmap": "train-abc1234-shared-gpu"}},
         "spec": {"schedulerName": "kai-scheduler", "nodeName": "gpu-node-1",
+                 "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},  # a clean pod: no policy finding
                  "containers": [{"name": "app", "image": "registry.example.com/train:1.2.3", "env": []}]},
     }
     review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",

@@ -229,6 +229,40 @@ class UsageReport(Payload):
         return f"usage:{self.pod.uid}:{self.container}:{self.sampled_at.isoformat()}"
 
 
+GrantOutcome = Literal["written", "kept", "withheld", "removed"]
+
+
+class GrantDecision(Payload):
+    """What a node agent did about one container's grant (shared/grant.py), and why.
+
+    `written`: grant.json now holds `limit_bytes` on `devices`; `kept`: an earlier grant stays (a later
+    computation would have raised it, or could not be made); `withheld`: no grant (the library fails
+    closed); `removed`: the pod is gone. `reasons` say why whenever the inputs disagreed or were missing.
+    """
+
+    TYPES = ("io.kai-isolator.grant.decision.v1",)
+    pod: PodRef
+    node_name: str
+    container: str
+    outcome: GrantOutcome
+    source: Literal["configmap", "annotation"] | None = None
+    limit_bytes: int | None = Field(None, ge=0)
+    devices: list[str] = Field(default_factory=list)
+    configmap_limit_bytes: int | None = None
+    annotation_limit_bytes: int | None = None
+    reasons: list[Reason] = Field(default_factory=list)
+
+    def subject(self) -> str:
+        return subjects.grant(self.pod.namespace, self.pod.name)
+
+    def event_subject(self) -> str:
+        return f"{self.pod.namespace}/{self.pod.name}"
+
+    def dedup_id(self) -> str:
+        codes = ",".join(r.code for r in self.reasons)
+        return f"grant:{self.pod.uid}:{self.container}:{self.outcome}:{self.limit_bytes}:{','.join(self.devices)}:{codes}"
+
+
 RolloutPhase = Literal["progressing", "node-done", "halted", "completed"]
 
 
@@ -355,7 +389,7 @@ class ErrorReply(Payload):
 
 
 PAYLOAD_CLASSES: tuple[type[Payload], ...] = (
-    AdmissionDecision, PodIsolation, HealthVerdict, NodeStatus, UsageReport, RolloutProgress, DeadLetter,
+    AdmissionDecision, PodIsolation, HealthVerdict, NodeStatus, UsageReport, GrantDecision, RolloutProgress, DeadLetter,
     InspectRequest, InspectReply, InstallRequest, InstallReply, ErrorReply,
 )
 REGISTRY: dict[str, type[Payload]] = {t: cls for cls in PAYLOAD_CLASSES for t in cls.TYPES}

@@ -15,7 +15,7 @@ from .errors import DecodeError
 ROOT = "isolator"
 STREAM_NAME = "ISOLATOR"
 
-SubjectKind = Literal["admission", "pod", "health", "usage", "node-status", "inspect", "install", "rollout", "dlq"]
+SubjectKind = Literal["admission", "pod", "health", "usage", "grant", "node-status", "inspect", "install", "rollout", "dlq"]
 
 # Event subjects captured by the JetStream stream. Request/reply subjects are not.
 STREAM_SUBJECTS: tuple[str, ...] = (
@@ -23,6 +23,7 @@ STREAM_SUBJECTS: tuple[str, ...] = (
     f"{ROOT}.pod.>",
     f"{ROOT}.health.>",
     f"{ROOT}.usage.>",
+    f"{ROOT}.grant.>",
     f"{ROOT}.node.*.status",
     f"{ROOT}.rollout.>",
     f"{ROOT}.dlq.>",
@@ -63,6 +64,10 @@ def usage(namespace: str, name: str) -> str:
     return f"{ROOT}.usage.{encode_token(namespace)}.{encode_token(name)}"
 
 
+def grant(namespace: str, name: str) -> str:
+    return f"{ROOT}.grant.{encode_token(namespace)}.{encode_token(name)}"
+
+
 def node_status(node: str) -> str:
     return f"{ROOT}.node.{encode_token(node)}.status"
 
@@ -88,6 +93,7 @@ ALL_ADMISSION = f"{ROOT}.admission.>"
 ALL_PODS = f"{ROOT}.pod.>"
 ALL_HEALTH = f"{ROOT}.health.>"
 ALL_USAGE = f"{ROOT}.usage.>"
+ALL_GRANTS = f"{ROOT}.grant.>"
 ALL_NODE_STATUS = f"{ROOT}.node.*.status"
 ALL_ROLLOUTS = f"{ROOT}.rollout.>"
 ALL_DLQ = f"{ROOT}.dlq.>"
@@ -113,7 +119,7 @@ def parse(subject: str) -> Subject:
     kind, names = tokens[1], [decode_token(t) for t in tokens[2:]]
     if kind == "admission" and len(names) == 1:
         return Subject("admission", namespace=names[0])
-    if kind in ("pod", "health", "usage") and len(names) == 2:
+    if kind in ("pod", "health", "usage", "grant") and len(names) == 2:
         return Subject(kind, namespace=names[0], pod=names[1])  # type: ignore[arg-type]
     if kind == "node" and len(names) == 2 and tokens[3] in ("status", "inspect", "install"):
         node_kind = "node-status" if tokens[3] == "status" else tokens[3]

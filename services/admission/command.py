@@ -28,6 +28,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--tls-private-key-file", metavar="F", help="PEM key (env KAI_ISOLATOR_TLS_PRIVATE_KEY_FILE, default /etc/tls/tls.key)")
     parser.add_argument("--container-vgpu-mount", metavar="DIR", help="node dir of libvgpu.so, mounted read-only at the same path (env KAI_ISOLATOR_CONTAINER_VGPU_MOUNT, default /usr/local/vgpu)")
     parser.add_argument("--state-dir", metavar="DIR", help="node dir of per-container state dirs (env KAI_ISOLATOR_STATE_DIR, default /var/lib/kai-isolator/containers)")
+    parser.add_argument("--grant-dir", metavar="DIR", help="node dir of per-container grants the node agent writes, mounted read-only at /etc/kai-isolator (env KAI_ISOLATOR_GRANT_DIR, default /var/lib/kai-isolator/grants)")
     parser.add_argument("--policy", choices=["enforce", "warn", "off"], help="tenant-escape policy (env KAI_ISOLATOR_POLICY, default warn)")
     parser.add_argument("--allow-pod-opt-out", type=parse_bool, metavar="true|false", help="honour kai-resource-isolator.io/inject=false (env KAI_ISOLATOR_ALLOW_POD_OPT_OUT, default true)")
     return parser

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field as dataclass_field
 from typing import Any
 
 from kai_isolator.shared.contract import (
-    DEFAULT_STATE_DIR, DEFAULT_VGPU_MOUNT, FRACTION_CONTAINER_ANNOTATION as CONTAINER_NAME_ANNOTATION,
-    GPU_FRACTION_ANNOTATION, GPU_MEMORY_ANNOTATION, INJECT_ANNOTATION, PRELOAD_PATH, PRELOAD_SUBPATH,
-    STATE_MOUNT_PATH, STATE_VOLUME, USAGE_CACHE_PATH, VGPU_VOLUME,
+    DEFAULT_GRANT_DIR, DEFAULT_STATE_DIR, DEFAULT_VGPU_MOUNT, FRACTION_CONTAINER_ANNOTATION as CONTAINER_NAME_ANNOTATION,
+    GPU_FRACTION_ANNOTATION, GPU_MEMORY_ANNOTATION, GRANT_MOUNT_PATH, GRANT_VOLUME, INJECT_ANNOTATION, PRELOAD_PATH,
+    PRELOAD_SUBPATH, STATE_MOUNT_PATH, STATE_VOLUME, USAGE_CACHE_PATH, VGPU_VOLUME,
 )
 from kai_isolator.shared.errors import IsolatorError
 
@@ -32,6 +32,7 @@ class InjectionConfig:
     container_vgpu_mount: str = DEFAULT_VGPU_MOUNT
     state_dir: str = DEFAULT_STATE_DIR
     allow_pod_opt_out: bool = True
+    grant_dir: str = DEFAULT_GRANT_DIR
 
 
 @dataclass(frozen=True)
@@ -209,8 +210,12 @@ def desired_for(target: Target, config: InjectionConfig) -> Desired:
     ]
     if target.is_init:
         return Desired(tuple(volumes), tuple(mounts), ())
+    per_container = f"$(POD_UID)_{target.name}"
     volumes.append({"name": STATE_VOLUME, "hostPath": {"path": config.state_dir, "type": "DirectoryOrCreate"}})
-    mounts.append({"name": STATE_VOLUME, "mountPath": STATE_MOUNT_PATH, "subPathExpr": f"$(POD_UID)_{target.name}"})
+    # The node agent's grant (root-owned, read-only here): the limits the library obeys whatever the env says.
+    volumes.append({"name": GRANT_VOLUME, "hostPath": {"path": config.grant_dir, "type": "DirectoryOrCreate"}})
+    mounts.append({"name": STATE_VOLUME, "mountPath": STATE_MOUNT_PATH, "subPathExpr": per_container})
+    mounts.append({"name": GRANT_VOLUME, "mountPath": GRANT_MOUNT_PATH, "subPathExpr": per_container, "readOnly": True})
     env = (
         {"name": "POD_UID", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.uid"}}},
         {"name": "CONTAINER_NAME", "value": target.name},

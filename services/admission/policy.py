@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kai_isolator.shared.contract import GRANT_MOUNT_PATH, LIMIT_ENV, SHARED_CACHE_ENV
+
 from .mutation import (
     PRELOAD_PATH, STATE_MOUNT_PATH, Desired, InjectionConfig, Json, PodView, Target, clean_path, is_within, same,
 )
@@ -11,6 +13,11 @@ from .settings import PolicyMode
 
 # Env that turns the library off or loads code ahead of it.
 ESCAPE_ENV = frozenset({"CUDA_DISABLE_CONTROL", "LD_PRELOAD", "LD_AUDIT"})
+# Env that would move the library's limits, devices or accounting if it read them (the grant is what counts).
+GRANT_ENV = frozenset({"CUDA_VISIBLE_DEVICES", SHARED_CACHE_ENV})
+PER_DEVICE_LIMIT_PREFIX = f"{LIMIT_ENV}_"
+# Seccomp profiles that keep the tenant from making a user namespace (and remounting the preload in it).
+CONFINING_SECCOMP = frozenset({"RuntimeDefault", "Localhost"})
 # Capabilities that let a process remount /etc/ld.so.preload or leave the container's view.
 ESCAPE_CAPABILITIES = frozenset({"ALL", "SYS_ADMIN", "SYS_PTRACE", "SYS_MODULE"})
 
@@ -25,6 +32,7 @@ class Verdict:
 def findings(view: PodView, target: Target, desired: Desired, config: InjectionConfig) -> list[str]:
     """Every escape attempt in the pod as it was submitted, one line each."""
     found = _target_findings(target, desired, config)
+    found += _seccomp_findings(view, target)
     found += _volume_findings(view.volumes or [], desired, config)
     found += _foreign_mount_findings(view, target, desired)
     return found
@@ -35,16 +43,20 @@ def _target_findings(target: Target, desired: Desired, config: InjectionConfig) 
     found: list[str] = []
     managed = desired.env_by_name()
     env = container.get("env") or ()
-    watched = ESCAPE_ENV.union(managed)
-    # Most pods set none of these; the set test spares a per-variable loop over long env lists.
-    if not watched.isdisjoint(target.env_names):
+    watched = ESCAPE_ENV.union(managed, GRANT_ENV)
+    # Most pods set none of these; the set test and the C-level prefix search spare a per-variable
+    # loop over long env lists.
+    if not watched.isdisjoint(target.env_names) or f"\0{PER_DEVICE_LIMIT_PREFIX}" in "\0" + "\0".join(target.env_names):
         for item in env:
             var = item["name"]
+            wanted = managed.get(var)
             if var in ESCAPE_ENV:
                 found.append(f"container {name} sets {var}")
-            wanted = managed.get(var)
-            if wanted is not None and not same(item, wanted):
-                found.append(f"container {name} sets {var} itself (the webhook owns it)")
+            elif wanted is not None:
+                if not same(item, wanted):
+                    found.append(f"container {name} sets {var} itself (the webhook owns it)")
+            elif var in GRANT_ENV or (var.startswith(PER_DEVICE_LIMIT_PREFIX) and var[len(PER_DEVICE_LIMIT_PREFIX):].isdigit()):
+                found.append(f"container {name} sets {var}, which would move the limits, devices or accounting the node's grant fixes")
     if container.get("envFrom"):
         # The webhook cannot see what a ConfigMap or Secret will hold at start: it may set any of the above.
         found.append(f"container {name} takes env from envFrom sources the webhook cannot check")
@@ -66,7 +78,23 @@ def _target_findings(target: Target, desired: Desired, config: InjectionConfig) 
             found.append(f"container {name} mounts volume {mount.get('name')} over the library directory at {path}")
         elif not target.is_init and is_within(path, STATE_MOUNT_PATH):
             found.append(f"container {name} mounts volume {mount.get('name')} over its state directory at {path}")
+        elif not target.is_init and is_within(path, GRANT_MOUNT_PATH):
+            found.append(f"container {name} mounts volume {mount.get('name')} over its grant directory at {path}")
     return found
+
+
+def _seccomp_findings(view: PodView, target: Target) -> list[str]:
+    """A target must run under a confining seccomp profile; the container's own setting overrides the pod's."""
+    container_profile = _object(_object(target.container.get("securityContext")).get("seccompProfile")).get("type")
+    pod_profile = _object(_object(view.spec.get("securityContext")).get("seccompProfile")).get("type")
+    profile = container_profile or pod_profile
+    if isinstance(profile, str) and profile in CONFINING_SECCOMP:
+        return []
+    why = ("lets the tenant create a user namespace and remount /etc/ld.so.preload or the library inside it; "
+           "set securityContext.seccompProfile.type RuntimeDefault or Localhost")
+    if not profile:
+        return [f"container {target.name} has no seccomp profile (Unconfined unless the kubelet defaults one), which {why}"]
+    return [f"container {target.name} runs with seccomp profile {profile}, which {why}"]
 
 
 def _object(value: object) -> Json:
@@ -75,7 +103,7 @@ def _object(value: object) -> Json:
 
 def _volume_findings(volumes: list[Json], desired: Desired, config: InjectionConfig) -> list[str]:
     found: list[str] = []
-    guarded_dirs = (config.container_vgpu_mount, config.state_dir)
+    guarded_dirs = (config.container_vgpu_mount, config.state_dir, config.grant_dir)
     for volume in volumes:
         name = volume["name"]
         wanted = desired.volume(name)
@@ -107,7 +135,7 @@ def _foreign_mount_findings(view: PodView, target: Target, desired: Desired) -> 
             if mount.get("readOnly") is not True:
                 found.append(f"container {container['name']} mounts {volume} writable at {path}")
             elif volume != desired.volumes[0]["name"]:
-                found.append(f"container {container['name']} mounts {volume} at {path}; only the target's own state directory may be")
+                found.append(f"container {container['name']} mounts {volume} at {path}; only the target's own state and grant directories may be")
     return found
 
 

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kai_isolator.shared.contract import DEFAULT_STATE_DIR, DEFAULT_VGPU_MOUNT
+from kai_isolator.shared.contract import DEFAULT_GRANT_DIR, DEFAULT_STATE_DIR, DEFAULT_VGPU_MOUNT
 from kai_isolator.shared.errors import ConfigError
 from kai_isolator.shared.settings import ENV_PREFIX, split_host_port
 
@@ -41,13 +41,14 @@ class AdmissionSettings(BaseSettings):
     tls_private_key_file: Path = Field(Path("/etc/tls/tls.key"), description="PEM private key of the certificate")
     container_vgpu_mount: str = Field(DEFAULT_VGPU_MOUNT, description="node directory holding libvgpu.so and ld.so.preload; mounted at the same path")
     state_dir: str = Field(DEFAULT_STATE_DIR, description="node directory of per-container state directories")
+    grant_dir: str = Field(DEFAULT_GRANT_DIR, description="node directory of per-container grants the node agent writes; mounted read-only")
     policy: PolicyMode = Field("warn", description="tenant-escape policy: enforce (deny), warn (allow with warnings) or off")
     allow_pod_opt_out: bool = Field(True, description="honour the pod annotation kai-resource-isolator.io/inject: \"false\"")
     tls_reload_interval_s: float = Field(2.0, gt=0, description="how often the certificate files are checked for a new pair")
     event_queue_size: int = Field(10_000, ge=1, description="decisions waiting for the bus; beyond this they are dropped and counted")
     publish_concurrency: int = Field(64, ge=1, le=4096, description="decisions being published at once")
 
-    @field_validator("container_vgpu_mount", "state_dir")
+    @field_validator("container_vgpu_mount", "state_dir", "grant_dir")
     @classmethod
     def _absolute(cls, value: str) -> str:
         return clean_absolute_path(value)
@@ -63,9 +64,12 @@ class AdmissionSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _apart(self) -> AdmissionSettings:
-        lib, state = self.container_vgpu_mount, self.state_dir
+        lib, state, grant = self.container_vgpu_mount, self.state_dir, self.grant_dir
         if is_within(state, lib) or is_within(lib, state):
             raise ValueError(f"state_dir {state} and container_vgpu_mount {lib} must not contain each other: the library directory is read-only")
+        for name, other in (("state_dir", state), ("container_vgpu_mount", lib)):
+            if is_within(grant, other) or is_within(other, grant):
+                raise ValueError(f"grant_dir {grant} and {name} {other} must not contain each other: grants are the node agent's alone")
         return self
 
 

@@ -66,7 +66,7 @@ class Webhook:
 
     @classmethod
     def from_settings(cls, settings: AdmissionSettings) -> Webhook:
-        config = InjectionConfig(settings.container_vgpu_mount, settings.state_dir, settings.allow_pod_opt_out)
+        config = InjectionConfig(settings.container_vgpu_mount, settings.state_dir, settings.allow_pod_opt_out, settings.grant_dir)
         return cls(config, settings.policy)
 
     def handle(self, raw: bytes) -> Answer:

@@ -20,7 +20,7 @@ from kubernetes_asyncio import client, config
 
 from kai_isolator.shared.contract import GPU_MEMORY_ANNOTATION, GRANT_VOLUME, INJECT_ANNOTATION, LIMIT_ENV
 from kai_isolator.shared.errors import IsolatorError
-from kai_isolator.shared.events import AdmissionDecision, HealthVerdict, NodeStatus, Payload, PodIsolation
+from kai_isolator.shared.events import AdmissionDecision, GrantDecision, HealthVerdict, NodeStatus, Payload, PodIsolation
 from kai_isolator.shared.limits import parse_limit
 from kai_isolator.shared.tail import follow
 
@@ -93,6 +93,8 @@ def demo_pod(name: str, annotations: dict[str, str]) -> dict[str, Any]:
         "spec": {
             "schedulerName": "kai-scheduler",
             "nodeSelector": {"kubernetes.io/hostname": NODE},
+            # The webhook's policy wants a seccomp profile: Unconfined would let the tenant unshare a user namespace.
+            "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
             "containers": [{"name": "main", "image": "nvcr.io/nvidia/pytorch:24.01-py3", "command": ["python", "train.py"]}],
         },
     }
@@ -122,6 +124,7 @@ class Demo:
         print("\n1. the seed's example: gpu-memory \"4096\" on a 15360 MiB T4", flush=True)
         pod = await self.create(demo_pod("gpu-sharing-demo", {}))
         limit = await self.scheduled(pod)
+        await self.granted(pod)
         container = await self.start(pod)
         for _ in range(2):
             say("container", self.describe(await container.read_line()))
@@ -193,6 +196,15 @@ class Demo:
             "the pod to be scheduled", lambda e: isinstance(e, PodIsolation) and e.pod.name == name and e.state == "scheduled")
         say("scheduler", f"{name} bound to {event.node_name} with CUDA_DEVICE_MEMORY_LIMIT={event.expected_limit} (injected: {event.injected})")
         return event.expected_limit or ""
+
+    async def granted(self, pod: dict[str, Any]) -> GrantDecision:
+        name = pod["metadata"]["name"]
+        grant: GrantDecision = await self.bus.wait_for(
+            "the node agent's grant", lambda e: isinstance(e, GrantDecision) and e.pod.name == name and e.outcome == "written")
+        devices = ", ".join(grant.devices)
+        say("nodeagent", f"{name}: grant.json written for container {grant.container}: {(grant.limit_bytes or 0) >> 20} MiB on {devices} "
+                         f"(from the {grant.source}, read-only at /etc/kai-isolator)")
+        return grant
 
     async def start(self, pod: dict[str, Any]) -> ContainerProcess:
         name = pod["metadata"]["name"]

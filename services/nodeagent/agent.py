@@ -21,7 +21,7 @@ from kai_isolator.shared.events import (
 )
 from kai_isolator.shared.settings import BusSettings
 
-from . import install, observe
+from . import grants, install, observe
 from .layout import HostLayout
 from .settings import NODE_BUCKET, NodeAgentSettings
 
@@ -71,10 +71,13 @@ class NodeAgent:
         self._sequence = time.time_ns() // 1000  # survives restarts without reusing a de-duplication id
         self._lock = asyncio.Lock()
         self._loops: list[asyncio.Task[None]] = []
+        self.grant_root = settings.host_root / settings.grant_dir.lstrip("/")
+        self.grants: grants.GrantKeeper | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self, url: str) -> None:
+        api = await grants.api_client(self.settings.kubeconfig)  # a broken configuration stops the agent before it serves
         await self.runtime.start(url)
         if self.settings.install_on_start and self.default_version and install.active_version(self.layout) is None:
             async with self._lock:
@@ -85,12 +88,19 @@ class NodeAgent:
             asyncio.create_task(self._every(self.settings.status_interval_s, self.refresh), name="status"),
             asyncio.create_task(self._every(self.settings.usage_interval_s, self.report_usage), name="usage"),
         ]
+        if api is None:
+            log.warning("no Kubernetes API (no --kubeconfig, not in a cluster): no grants are written", extra={"node": self.node})
+        else:
+            self.grants = grants.GrantKeeper(api, self.node, self.grant_root, self.runtime.publish)
+            self._loops.append(asyncio.create_task(self.grants.run(), name="grants"))
 
     async def stop(self) -> None:
         for task in self._loops:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.grants is not None:
+            await self.grants.close()
         await self.runtime.stop()
 
     async def _every(self, period: float, action: object) -> None:

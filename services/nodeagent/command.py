@@ -30,6 +30,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--gc-grace-s", type=float, help="keep a retired version at least this long (default 60)")
     parser.add_argument("--status-interval-s", type=float, help="self-check and status period (default 30)")
     parser.add_argument("--usage-interval-s", type=float, help="usage scan period (default 15)")
+    parser.add_argument("--grant-dir", help="host directory of per-container grants, under --host-root (default /var/lib/kai-isolator/grants)")
+    parser.add_argument("--kubeconfig", type=Path, help="kubeconfig for reading this node's pods, their ConfigMaps and the node (default: in-cluster)")
     parser.add_argument("--probe-listen", help="HOST:PORT for /healthz, /readyz, /metrics (default 0.0.0.0:8081)")
     actions = parser.add_subparsers(dest="action", metavar="ACTION")
 

@@ -26,11 +26,14 @@ async def component(ctx: DevContext) -> AsyncIterator[None]:
     libraries = [LIBRARY] if LIBRARY.is_file() else []
     if not libraries:
         log.warning("hami-core/build/libvgpu.so missing (run make -C hami-core); the agent starts with nothing to install")
-    settings = NodeAgentSettings(node_name=node, host_root=root, library=libraries, status_interval_s=15, usage_interval_s=5)
+    # The sandbox (started earlier) is this agent's API server: it writes grants for the pods bound to it.
+    settings = NodeAgentSettings(node_name=node, host_root=root, library=libraries, status_interval_s=15, usage_interval_s=5,
+                                 kubeconfig=ctx.values.get("kubeconfig"))
     agent = NodeAgent(settings, ctx.bus, probe_listen="127.0.0.1:0")
     await agent.start(ctx.nats_url)
     ctx.values.update(node_name=node, host_root=root, nodeagent_metrics=f"{agent.runtime.probe_url}/metrics")
-    print(f"node agent {node}: host root {root}, metrics {agent.runtime.probe_url}/metrics", flush=True)
+    ctx.values["grant_root"] = agent.grant_root
+    print(f"node agent {node}: host root {root}, grants in {agent.grant_root}, metrics {agent.runtime.probe_url}/metrics", flush=True)
     try:
         yield
     finally:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import posixpath
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from kai_isolator.shared import subjects
+from kai_isolator.shared.contract import DEFAULT_GRANT_DIR
 from kai_isolator.shared.settings import _Settings
 
 from .layout import DEFAULT_MOUNT
@@ -28,3 +30,12 @@ class NodeAgentSettings(_Settings):
     inspect_timeout_s: float = Field(3.0, gt=0)
     self_check_timeout_s: float = Field(10.0, gt=0)
     self_check_command: list[str] | None = Field(None, description="probe run with LD_PRELOAD=libvgpu.so; default: check /proc/self/maps")
+    grant_dir: str = Field(DEFAULT_GRANT_DIR, description="host directory of per-container grants (under --host-root); the webhook mounts it read-only")
+    kubeconfig: Path | None = Field(None, description="kubeconfig for reading this node's pods; unset = in-cluster service account")
+
+    @field_validator("grant_dir")
+    @classmethod
+    def _grant_dir(cls, value: str) -> str:
+        if not value.startswith("/") or value.startswith("//") or value == "/" or posixpath.normpath(value) != value:
+            raise ValueError(f"--grant-dir must be a normalised absolute directory other than /, got {value!r}")
+        return value

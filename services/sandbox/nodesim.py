@@ -27,6 +27,7 @@ HOSTNAME_LABEL = "kubernetes.io/hostname"
 CONFIGMAP_ANNOTATION = "runai/shared-gpu-configmap"
 FRACTION_CONTAINER_ANNOTATION = "gpu-fraction-container-name"
 LIMIT_ENV = "CUDA_DEVICE_MEMORY_LIMIT"
+DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 # How long a simulated container runs and how it ends; absent = runs until deleted.
 RUN_SECONDS_ANNOTATION = "sandbox.kai-isolator.io/run-seconds"
 EXIT_CODE_ANNOTATION = "sandbox.kai-isolator.io/exit-code"
@@ -83,6 +84,11 @@ def kai_memory_limit(annotations: dict[str, str], label_mib: int) -> str | None:
     return f"{mib}m" if mib > 0 else None
 
 
+def fake_gpu_uuid(index: int) -> str:
+    """The UUID hami-core's fake NVML reports for device `index`: what KAI's reservation pod would learn."""
+    return f"GPU-{index:02d}00fa4e-1111-2222-3333-{index:012d}"
+
+
 def _random_suffix(length: int = 7) -> str:
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(length))
 
@@ -136,8 +142,10 @@ class NodeSimulator:
         annotations = pod["metadata"].setdefault("annotations", {})
         base = (pod["metadata"].get("name") or pod["metadata"].get("generateName") or "pod").rstrip("-")[:40]
         prefix = annotations.setdefault(CONFIGMAP_ANNOTATION, f"{base}-{_random_suffix()}-shared-gpu")
-        env = [e for e in container.get("env") or [] if e.get("name") != LIMIT_ENV]
+        env = [e for e in container.get("env") or [] if e.get("name") not in (LIMIT_ENV, DEVICES_ENV)]
         env.append({"name": LIMIT_ENV, "valueFrom": {"configMapKeyRef": {"name": f"{prefix}-{index}", "key": LIMIT_ENV, "optional": True}}})
+        # gpusharing's: the GPU the reservation pod holds, not optional (the container waits for it).
+        env.append({"name": DEVICES_ENV, "valueFrom": {"configMapKeyRef": {"name": f"{prefix}-{index}", "key": DEVICES_ENV}}})
         container["env"] = env
         return pod
 
@@ -231,7 +239,7 @@ class NodeSimulator:
             label = int(node["metadata"]["labels"].get(GPU_MEMORY_LABEL, "0"))
         except ValueError:
             label = 0
-        data = {"GPU_PORTION": scheduler_portion(annotations, label) or "0.00"}
+        data = {"GPU_PORTION": scheduler_portion(annotations, label) or "0.00", DEVICES_ENV: fake_gpu_uuid(0)}
         limit = kai_memory_limit(annotations, label)
         if limit is not None:
             data[LIMIT_ENV] = limit

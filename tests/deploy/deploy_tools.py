@@ -105,7 +105,7 @@ HELM_OPTIONAL = {
     "webhook.replicaCount": "3", "webhook.podDisruptionBudget.maxUnavailable": "1", "webhook.podLabels.team": "gpu",
     "webhook.podAnnotations.note": "x", "nodeAgent.podLabels.team": "gpu", "webhook.nodeSelector.pool": "system",
     "webhook.tolerations[0].operator": "Exists", "watcher.nodeSelector.pool": "system", "paths.containerVgpuMount": "/opt/vgpu",
-    "webhook.policy": "enforce", "webhook.allowPodOptOut": "false",
+    "webhook.policy": "enforce", "webhook.allowPodOptOut": "false", "paths.grantDir": "/srv/kai-grants/",
 }
 HELM_VARIANTS = {
     "helm/default": {},

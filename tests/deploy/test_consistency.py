@@ -222,6 +222,7 @@ def test_library_and_state_paths_agree_between_webhook_agent_and_image(rendered:
     spec, agent_container = _container(docs, "DaemonSet", "-nodeagent")
     agent = effective(NodeAgentSettings, parse(agent_container["args"]), container_env(agent_container, docs))
     assert agent.container_vgpu_mount == admission.container_vgpu_mount
+    assert agent.grant_dir == admission.grant_dir, "the agent writes grants where the webhook does not mount them from"
     # Host paths as the agent sees them (under --host-root) must be the hostPath volumes mounted there.
     host_paths = {}
     volumes = {v["name"]: v for v in spec["volumes"]}
@@ -236,6 +237,7 @@ def test_library_and_state_paths_agree_between_webhook_agent_and_image(rendered:
     assert str(layout.install_dir) in host_paths, "the library directory is not a hostPath of the agent"
     assert str(layout.containers_dir) == admission.state_dir, "the webhook's state dir is not where the agent keeps container state"
     assert any(admission.state_dir.startswith(p + "/") for p in host_paths), "the state dir is not a hostPath of the agent"
+    assert host_paths.get(admission.grant_dir) == admission.grant_dir, "the grant dir is not a hostPath of the agent"
     # The library the agent installs is the one the node agent image carries.
     copied = re.findall(r"^COPY --from=libvgpu \S+ (\S+)$", NODEAGENT_DOCKERFILE.read_text(), re.M)
     assert [str(p) for p in agent.library] == copied

@@ -130,6 +130,9 @@ def test_pdb_follows_upstream_precedence(render_helm: Callable[..., Docs], value
     ({"webhook.policy": "strict"}, "webhook.policy must be enforce, warn or off"),
     ({"verifier.onMissing": "delete"}, "verifier.onMissing must be warn, annotate or evict"),
     ({"installer.rollout.version": "v1.2"}, "installer.rollout.version must be 16 lowercase hex digits"),
+    ({"paths.grantDir": "grants"}, "paths.grantDir must be an absolute path"),
+    ({"paths.grantDir": "/var/lib/kai-isolator/containers/grants"}, "must not contain or be inside the tenant-writable state dir"),
+    ({"paths.grantDir": "/var/lib"}, "must not contain or be inside the tenant-writable state dir"),
 ])
 def test_bad_values_fail_with_a_clear_message(render_helm: Callable[..., Docs], values: dict[str, str], message: str) -> None:
     with pytest.raises(ToolError, match=message):

@@ -11,7 +11,9 @@ ALL_VARIANTS = ["kustomize/base", "kustomize/cert-manager", "kustomize/dev", "he
 AGENT_CAPABILITIES = {"SYS_PTRACE", "DAC_READ_SEARCH"}
 READ_VERBS = {"get", "list", "watch"}
 # Components that call no Kubernetes API must not even get a token.
-NO_API = {"webhook", "nodeagent", "installer"}
+NO_API = {"webhook", "installer"}
+# What the node agent reads to compute grants: its node's pods (field-selected), their ConfigMaps, its node.
+NODEAGENT_ACCESS = {("pods", "get"), ("pods", "list"), ("pods", "watch"), ("configmaps", "get"), ("nodes", "get")}
 
 
 def _pod_security(spec: dict, container: dict) -> dict:
@@ -45,13 +47,13 @@ def test_only_the_node_agent_is_privileged_in_any_way(rendered: dict[str, Docs],
 
 
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
-def test_node_agent_host_paths_are_the_library_state_and_read_only_dev(rendered: dict[str, Docs], variant: str) -> None:
+def test_node_agent_host_paths_are_the_library_state_grants_and_read_only_dev(rendered: dict[str, Docs], variant: str) -> None:
     docs = rendered[variant]
     (agent,) = [(d, s) for d, s in pod_specs(docs) if component(d) == "nodeagent"]
     doc, spec = agent
     webhook = next(d for d in docs if d["kind"] == "Deployment" and component(d) == "webhook")
     args = dict(a[2:].split("=", 1) for a in webhook["spec"]["template"]["spec"]["containers"][0]["args"][1:])
-    injected = {args["container-vgpu-mount"], args["state-dir"]}
+    injected = {args["container-vgpu-mount"], args["state-dir"], args["grant-dir"]}
     volumes = {v["name"]: v["hostPath"] for v in spec["volumes"] if "hostPath" in v}
     mounts = {m["name"]: m for c in containers(spec) for m in c.get("volumeMounts", [])}
     for name, host_path in volumes.items():
@@ -105,6 +107,11 @@ def test_rbac_is_least_privilege(rendered: dict[str, Docs], variant: str) -> Non
             assert not any(subject["name"].endswith(f"-{c}") for c in NO_API), f"{subject['name']} needs no RBAC"
     for rule in _rules(docs, "-watcher"):
         assert set(rule["verbs"]) <= READ_VERBS and set(rule["resources"]) <= {"pods", "configmaps"}
+    agent_rules = _rules(docs, "-nodeagent")
+    assert {(r, v) for rule in agent_rules for r in rule["resources"] for v in rule["verbs"]} <= NODEAGENT_ACCESS
+    assert all(rule["apiGroups"] == [""] for rule in agent_rules)
+    if any(d["kind"] == "ClusterRole" for d in docs if d["metadata"]["name"].endswith("-watcher")):  # RBAC rendered at all
+        assert {(r, v) for rule in agent_rules for r in rule["resources"] for v in rule["verbs"]} == NODEAGENT_ACCESS
     verifier_args = {a for d, s in pod_specs(docs) for c in containers(s) for a in c.get("args", [])}
     for rule in _rules(docs, "-verifier"):
         allowed = {("events", "create")}

@@ -50,10 +50,11 @@ async def chain(nats_server: EmbeddedNats, tmp_path: Path) -> AsyncIterator[Chai
     host_root = tmp_path / "host"
     host_root.mkdir()
     ctx.values.update(host_root=host_root, node_name=NODE)
-    agent_settings = NodeAgentSettings(node_name=NODE, host_root=host_root, library=[HAMI_BUILD / "libvgpu.so"], status_interval_s=60, usage_interval_s=60)
     async with contextlib.AsyncExitStack() as stack:
         for component in (admission_dev.component, sandbox_dev.component, watcher_dev.component, verifier_dev.component):
             await stack.enter_async_context(component(ctx))
+        agent_settings = NodeAgentSettings(node_name=NODE, host_root=host_root, library=[HAMI_BUILD / "libvgpu.so"], status_interval_s=60,
+                                           usage_interval_s=60, kubeconfig=ctx.values["kubeconfig"])
         api: client.ApiClient = await stack.enter_async_context(kubernetes(Path(ctx.values["kubeconfig"])))
         events = await stack.enter_async_context(BusLog(nats_server.url))
         demo = Demo(ctx, api, events)

@@ -41,6 +41,10 @@ async def test_healthy_pod_is_verified_and_the_limit_is_enforced(chain) -> None:
     assert "rc=2" in lines[4]  # CUDA_ERROR_OUT_OF_MEMORY past 4147m
     assert "| 1024MiB / 4147MiB |" in await container.exec([str(NVIDIA_SMI)])
     await chain.demo.verdict(pod, "verified")
+    grant = await chain.demo.granted(pod)
+    seen = await container.exec(["sh", "-c", "cat /etc/kai-isolator/grant.json; echo; echo x > /etc/kai-isolator/grant.json || echo refused"])
+    assert f'"pod_uid":"{pod["metadata"]["uid"]}"' in seen and f'"limit_bytes":{grant.limit_bytes}' in seen
+    assert seen.rstrip().endswith("refused")  # mounted read-only: the tenant reads its grant, never writes it
 
 
 async def test_pod_admitted_while_the_webhook_was_down_is_missing_with_a_warning_event(chain) -> None:  # type: ignore[no-untyped-def]
@@ -119,6 +123,7 @@ def test_make_run_shows_the_whole_flow_and_leaves_nothing_running() -> None:
         "libvgpu.so", "installed on gpu-node-1",
         "default/gpu-sharing-demo: injected into container main",
         "bound to gpu-node-1 with CUDA_DEVICE_MEMORY_LIMIT=4147m",
+        "gpu-sharing-demo: grant.json written for container main: 4147 MiB on GPU-0000fa4e-1111-2222-3333-000000000000",
         "/etc/ld.so.preload: /usr/local/vgpu/libvgpu.so",
         "cuMemAlloc 1 GiB: CUDA_SUCCESS",
         "nvidia-smi inside the container: | 1024MiB / 4147MiB |",
@@ -135,13 +140,13 @@ def test_make_run_shows_the_whole_flow_and_leaves_nothing_running() -> None:
 
 
 def _pids_of(name: str) -> list[int]:
-    """This checkout's processes of that name (other checkouts may run tests on the machine at the same time)."""
+    """This checkout's processes of that name (other checkouts on the machine run their own)."""
     found = subprocess.run(["pgrep", "-x", name], capture_output=True, text=True)
     return [int(p) for p in found.stdout.split() if _runs_from_repo(int(p))]
 
 
 def _runs_from_repo(pid: int) -> bool:
     try:
-        return Path(os.readlink(f"/proc/{pid}/exe")).is_relative_to(REPO)
+        return Path(f"/proc/{pid}/exe").resolve().is_relative_to(REPO.resolve())
     except OSError:
         return False

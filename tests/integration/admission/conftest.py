@@ -79,7 +79,7 @@ def gpu_pod(name: str = "train-0", namespace: str = "team-a", **annotations: str
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "namespace": namespace, "annotations": {"gpu-fraction": "0.5", **annotations}},
-        "spec": {"containers": [{"name": "main", "image": "busybox"}]},
+        "spec": {"securityContext": {"seccompProfile": {"type": "RuntimeDefault"}}, "containers": [{"name": "main", "image": "busybox"}]},
     }
 
 

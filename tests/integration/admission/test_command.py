@@ -31,6 +31,7 @@ async def test_command_serves_with_flags_and_env_and_stops_on_sigterm(tls_files:
     process = await asyncio.create_subprocess_exec(
         *CLI, "admission", "--listen", f"127.0.0.1:{port}", "--tls-cert-file", str(tls_files.cert),
         "--tls-private-key-file", str(tls_files.key), "--container-vgpu-mount", "/opt/vgpu", "--allow-pod-opt-out", "false",
+        "--grant-dir", "/srv/grants",
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     url = f"https://127.0.0.1:{port}"
@@ -50,7 +51,8 @@ async def test_command_serves_with_flags_and_env_and_stops_on_sigterm(tls_files:
             pod = gpu_pod(**{"kai-resource-isolator.io/inject": "false"})
             async with client.post(url + "/mutate", data=review_bytes(pod), headers={"Content-Type": "application/json"}) as response:
                 answer = orjson.loads(await response.read())["response"]
-            assert answer["allowed"] is True and "/opt/vgpu" in base64.b64decode(answer["patch"]).decode()
+            patch = base64.b64decode(answer["patch"]).decode()
+            assert answer["allowed"] is True and "/opt/vgpu" in patch and '"path":"/srv/grants"' in patch
             pod["spec"]["containers"][0]["securityContext"] = {"privileged": True}
             async with client.post(url + "/mutate", data=review_bytes(pod), headers={"Content-Type": "application/json"}) as response:
                 answer = orjson.loads(await response.read())["response"]
@@ -73,6 +75,8 @@ async def test_command_serves_with_flags_and_env_and_stops_on_sigterm(tls_files:
     (["--allow-pod-opt-out", "maybe"], "expected true or false"),
     (["--listen", "nowhere"], "HOST:PORT"),
     (["--state-dir", "relative/dir"], "absolute path"),
+    (["--grant-dir", "grants"], "absolute path"),
+    (["--grant-dir", "/var/lib/kai-isolator/containers/grants"], "must not contain each other"),
     (["--tls-cert-file", "/nonexistent/tls.crt"], "cannot load TLS pair"),
 ])
 async def test_bad_flags_fail_with_a_clear_message(flags: list[str], message: str, nats_server: Any) -> None:

@@ -17,9 +17,13 @@ PodFactory = Callable[..., dict[str, Any]]
 
 
 def make_pod(annotations: dict[str, str] | None = None, containers: list[str] | None = None,
-             inits: list[str] | None = None, volumes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Like upstream's makePod: namespace test-ns, pod test-pod, no volumes unless given."""
+             inits: list[str] | None = None, volumes: list[dict[str, Any]] | None = None,
+             seccomp: str | None = "RuntimeDefault") -> dict[str, Any]:
+    """Like upstream's makePod: namespace test-ns, pod test-pod, no volumes unless given; a pod-level
+    seccomp profile unless `seccomp` is None (the policy denies GPU-sharing pods without one)."""
     spec: dict[str, Any] = {"containers": [{"name": n, "image": "busybox"} for n in (containers if containers is not None else ["main"])]}
+    if seccomp is not None:
+        spec["securityContext"] = {"seccompProfile": {"type": seccomp}}
     if inits:
         spec["initContainers"] = [{"name": n, "image": "busybox"} for n in inits]
     if volumes is not None:

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from kai_isolator.services.admission.mutation import (
-    STATE_VOLUME, USAGE_CACHE_PATH, VGPU_VOLUME, InjectionConfig, NoTargetContainer, find_target, is_gpu_sharing,
+    GRANT_VOLUME, STATE_VOLUME, USAGE_CACHE_PATH, VGPU_VOLUME, InjectionConfig, NoTargetContainer, find_target, is_gpu_sharing,
     patch_ops, read_pod,
 )
 from kai_isolator.services.admission.webhook import Webhook
@@ -18,10 +18,15 @@ LIB_MOUNT = {"name": VGPU_VOLUME, "mountPath": "/usr/local/vgpu", "readOnly": Tr
 PRELOAD_MOUNT = {"name": VGPU_VOLUME, "mountPath": "/etc/ld.so.preload", "subPath": "ld.so.preload", "readOnly": True}
 VGPU_VOL = {"name": VGPU_VOLUME, "hostPath": {"path": "/usr/local/vgpu", "type": "Directory"}}
 STATE_VOL = {"name": STATE_VOLUME, "hostPath": {"path": "/var/lib/kai-isolator/containers", "type": "DirectoryOrCreate"}}
+GRANT_VOL = {"name": GRANT_VOLUME, "hostPath": {"path": "/var/lib/kai-isolator/grants", "type": "DirectoryOrCreate"}}
 
 
 def state_mount(container: str) -> dict[str, object]:
     return {"name": STATE_VOLUME, "mountPath": "/run/kai-isolator", "subPathExpr": f"$(POD_UID)_{container}"}
+
+
+def grant_mount(container: str) -> dict[str, object]:
+    return {"name": GRANT_VOLUME, "mountPath": "/etc/kai-isolator", "subPathExpr": f"$(POD_UID)_{container}", "readOnly": True}
 
 
 def env_for(container: str) -> list[dict[str, object]]:
@@ -55,29 +60,29 @@ def test_single_container_gets_three_array_ops(kit: SimpleNamespace, mutate) -> 
     ops = mutate(kit.make_pod(FRACTION))
     assert [op["path"] for op in ops] == ["/spec/volumes", "/spec/containers/0/volumeMounts", "/spec/containers/0/env"]
     assert all(op["op"] == "add" for op in ops)
-    assert ops[0]["value"] == [VGPU_VOL, STATE_VOL]
-    assert ops[1]["value"] == [LIB_MOUNT, PRELOAD_MOUNT, state_mount("main")]
+    assert ops[0]["value"] == [VGPU_VOL, STATE_VOL, GRANT_VOL]
+    assert ops[1]["value"] == [LIB_MOUNT, PRELOAD_MOUNT, state_mount("main"), grant_mount("main")]
     assert ops[2]["value"] == env_for("main")
 
 
 def test_multi_container_only_the_named_fraction_container(kit: SimpleNamespace, mutate) -> None:
     pod = kit.make_pod({**FRACTION, "gpu-fraction-container-name": "gpu-container"}, ["sidecar-a", "gpu-container", "sidecar-b"])
     ops = mutate(pod)
-    assert len(kit.ops_for(ops, "/spec/containers/1/volumeMounts")[0]["value"]) == 3
+    assert len(kit.ops_for(ops, "/spec/containers/1/volumeMounts")[0]["value"]) == 4
     assert len(kit.ops_for(ops, "/spec/containers/1/env")) == 1
     assert not [op for op in ops if op["path"].startswith(("/spec/containers/0", "/spec/containers/2"))]
 
 
 def test_without_name_annotation_the_first_container_is_the_target(kit: SimpleNamespace, mutate) -> None:
     ops = mutate(kit.make_pod(FRACTION, ["main", "sidecar"]))
-    assert len(kit.ops_for(ops, "/spec/containers/0/volumeMounts")[0]["value"]) == 3
+    assert len(kit.ops_for(ops, "/spec/containers/0/volumeMounts")[0]["value"]) == 4
     assert not [op for op in ops if op["path"].startswith("/spec/containers/1")]
 
 
 def test_init_containers_are_not_injected_by_default(kit: SimpleNamespace, mutate) -> None:
     ops = mutate(kit.make_pod(FRACTION, ["main"], inits=["setup"]))
     assert not [op for op in ops if op["path"].startswith("/spec/initContainers")]
-    assert len(kit.ops_for(ops, "/spec/containers/0/volumeMounts")[0]["value"]) == 3
+    assert len(kit.ops_for(ops, "/spec/containers/0/volumeMounts")[0]["value"]) == 4
 
 
 def test_annotation_naming_an_init_container_gets_library_and_preload_only(kit: SimpleNamespace, mutate) -> None:
@@ -88,7 +93,7 @@ def test_annotation_naming_an_init_container_gets_library_and_preload_only(kit: 
     assert not kit.ops_for(ops, "/spec/initContainers/0/env")
     assert not [op for op in ops if op["path"].startswith("/spec/containers")]
     text = orjson.dumps(ops).decode()
-    assert STATE_VOLUME not in text and "POD_UID" not in text
+    assert STATE_VOLUME not in text and GRANT_VOLUME not in text and "POD_UID" not in text
 
 
 def test_init_containers_are_searched_before_containers(kit: SimpleNamespace) -> None:
@@ -115,13 +120,13 @@ def test_pod_with_no_containers_is_denied(kit: SimpleNamespace, webhook: Webhook
 def test_volume_already_present_only_the_missing_one_is_appended(kit: SimpleNamespace, mutate) -> None:
     ops = mutate(kit.make_pod(FRACTION, volumes=[dict(VGPU_VOL)]))
     assert not kit.ops_for(ops, "/spec/volumes")
-    assert [op["value"] for op in kit.ops_for(ops, "/spec/volumes/-")] == [STATE_VOL]
-    assert len(kit.ops_for(ops, "/spec/containers/0/volumeMounts")[0]["value"]) == 3
+    assert [op["value"] for op in kit.ops_for(ops, "/spec/volumes/-")] == [STATE_VOL, GRANT_VOL]
+    assert len(kit.ops_for(ops, "/spec/containers/0/volumeMounts")[0]["value"]) == 4
 
 
 def fully_injected(kit: SimpleNamespace) -> dict[str, object]:
-    pod = kit.make_pod(FRACTION, volumes=[dict(VGPU_VOL), dict(STATE_VOL)])
-    pod["spec"]["containers"][0].update(volumeMounts=[LIB_MOUNT, PRELOAD_MOUNT, state_mount("main")], env=env_for("main"))
+    pod = kit.make_pod(FRACTION, volumes=[dict(VGPU_VOL), dict(STATE_VOL), dict(GRANT_VOL)])
+    pod["spec"]["containers"][0].update(volumeMounts=[LIB_MOUNT, PRELOAD_MOUNT, state_mount("main"), grant_mount("main")], env=env_for("main"))
     return pod
 
 
@@ -135,8 +140,8 @@ def test_partially_injected_pod_gets_only_the_missing_mounts_preload_first(kit: 
     pod = fully_injected(kit)
     pod["spec"]["containers"][0]["volumeMounts"] = [LIB_MOUNT]
     ops = mutate(pod)
-    assert [op["path"] for op in ops] == ["/spec/containers/0/volumeMounts/-"] * 2
-    assert ops[0]["value"] == PRELOAD_MOUNT and ops[1]["value"] == state_mount("main")
+    assert [op["path"] for op in ops] == ["/spec/containers/0/volumeMounts/-"] * 3
+    assert [op["value"] for op in ops] == [PRELOAD_MOUNT, state_mount("main"), grant_mount("main")]
 
 
 def test_partially_injected_env_gets_only_missing_vars(kit: SimpleNamespace, mutate) -> None:
@@ -215,3 +220,28 @@ def test_other_kinds_are_allowed_untouched(kit: SimpleNamespace, webhook: Webhoo
     answer = webhook.handle(kit.review_of({"kind": "ConfigMap", "metadata": {"annotations": FRACTION}}, kind="ConfigMap"))
     assert kit.response_of(answer) == {"uid": "uid-1", "allowed": True}
     assert answer.record.reason.startswith("not a Pod")
+
+
+def test_configured_grant_dir_is_mounted_read_only_per_container(kit: SimpleNamespace) -> None:
+    config = InjectionConfig(grant_dir="/srv/grants")
+    view = read_pod(kit.make_pod({**FRACTION, "gpu-fraction-container-name": "gpu"}, ["sidecar", "gpu"]))
+    ops = patch_ops(view, find_target(view), config)
+    assert {"name": GRANT_VOLUME, "hostPath": {"path": "/srv/grants", "type": "DirectoryOrCreate"}} in ops[0]["value"]
+    assert grant_mount("gpu") in kit.ops_for(ops, "/spec/containers/1/volumeMounts")[0]["value"]
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"grant_dir": "grants"}, "absolute path"),
+    ({"grant_dir": "/"}, "must not be /"),
+    ({"grant_dir": "/var/lib/kai-isolator/containers/g"}, "grant_dir /var/lib/kai-isolator/containers/g and state_dir"),
+    ({"grant_dir": "/var/lib"}, "must not contain each other"),
+    ({"grant_dir": "/usr/local/vgpu/grants"}, "and container_vgpu_mount /usr/local/vgpu must not contain each other"),
+])
+def test_a_grant_dir_inside_or_around_the_state_or_library_dir_is_refused(fields: dict[str, str], message: str) -> None:
+    from pydantic import ValidationError
+
+    from kai_isolator.services.admission.settings import AdmissionSettings
+
+    with pytest.raises(ValidationError, match=message):
+        AdmissionSettings(**fields)
+    assert AdmissionSettings(grant_dir="/var/lib/kai-isolator/grants/").grant_dir == "/var/lib/kai-isolator/grants"

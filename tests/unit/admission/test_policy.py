@@ -9,7 +9,7 @@ from typing import Any
 import jsonpatch
 import pytest
 
-from kai_isolator.services.admission.mutation import STATE_VOLUME, VGPU_VOLUME, InjectionConfig
+from kai_isolator.services.admission.mutation import GRANT_VOLUME, STATE_VOLUME, VGPU_VOLUME, InjectionConfig
 from kai_isolator.services.admission.webhook import Webhook
 
 FRACTION = {"gpu-fraction": "0.5"}
@@ -29,6 +29,11 @@ def escape_pods(kit: SimpleNamespace) -> dict[str, tuple[dict[str, Any], str]]:
     sidecar_rw["spec"]["containers"][1]["volumeMounts"] = [{"name": VGPU_VOLUME, "mountPath": "/lib-rw"}]
     fake_volume = kit.make_pod(FRACTION, volumes=[{"name": VGPU_VOLUME, "emptyDir": {}}])
     host_path = kit.make_pod(FRACTION, volumes=[{"name": "node", "hostPath": {"path": "/usr/local"}}])
+    grants_path = kit.make_pod(FRACTION, volumes=[{"name": "node", "hostPath": {"path": "/var/lib/kai-isolator/grants/"}}])
+    unconfined_container = kit.make_pod(FRACTION, ["main", "sidecar"])
+    unconfined_container["spec"]["containers"][0]["securityContext"] = {"seccompProfile": {"type": "Unconfined"}}
+    sidecar_grant = kit.make_pod(FRACTION, ["main", "sidecar"])
+    sidecar_grant["spec"]["containers"][1]["volumeMounts"] = [{"name": GRANT_VOLUME, "mountPath": "/grants", "readOnly": True}]
     return {
         "own preload": (own_preload, "mounts its own /etc/ld.so.preload"),
         "dotted preload": (with_target(kit, volumeMounts=[{"name": "x", "mountPath": "/etc/./ld.so.preload"}]), "its own /etc/ld.so.preload"),
@@ -43,11 +48,21 @@ def escape_pods(kit: SimpleNamespace) -> dict[str, tuple[dict[str, Any], str]]:
         "sidecar writes library": (sidecar_rw, f"sidecar mounts {VGPU_VOLUME} writable"),
         "pod-defined volume": (fake_volume, f"volume {VGPU_VOLUME} is defined by the pod"),
         "hostPath into the node dir": (host_path, "exposes the node path /usr/local"),
+        "hostPath into the grants": (grants_path, "exposes the node path /var/lib/kai-isolator/grants"),
+        "per-device limit": (with_target(kit, env=[{"name": "CUDA_DEVICE_MEMORY_LIMIT_0", "value": "15g"}]), "sets CUDA_DEVICE_MEMORY_LIMIT_0, which would move"),
+        "visible devices": (with_target(kit, env=[{"name": "CUDA_VISIBLE_DEVICES", "value": "1"}]), "sets CUDA_VISIBLE_DEVICES, which would move"),
+        "over the grant": (with_target(kit, volumeMounts=[{"name": "x", "mountPath": "/etc/kai-isolator/grant.json"}]), "over its grant directory"),
+        "sidecar reads a grant": (sidecar_grant, f"sidecar mounts {GRANT_VOLUME} at /grants; only the target's own"),
+        "no seccomp": (kit.make_pod(FRACTION, seccomp=None), "container main has no seccomp profile"),
+        "unconfined pod": (kit.make_pod(FRACTION, seccomp="Unconfined"), "runs with seccomp profile Unconfined, which lets the tenant create a user namespace"),
+        "unconfined container": (unconfined_container, "container main runs with seccomp profile Unconfined"),
     }
 
 
 CASES = ["own preload", "dotted preload", "over library", "disable control", "ld preload", "hand-set cache",
-         "forged pod uid", "privileged", "env from a configmap", "sys admin", "sidecar writes library", "pod-defined volume", "hostPath into the node dir"]
+         "forged pod uid", "privileged", "env from a configmap", "sys admin", "sidecar writes library", "pod-defined volume", "hostPath into the node dir",
+         "hostPath into the grants", "per-device limit", "visible devices", "over the grant", "sidecar reads a grant", "no seccomp",
+         "unconfined pod", "unconfined container"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -124,3 +139,64 @@ def test_upstream_shaped_writable_library_mount_is_made_read_only(kit: SimpleNam
     result = patched(kit, pod)
     assert result["spec"]["volumes"][0]["hostPath"]["type"] == "Directory"
     assert result["spec"]["containers"][0]["volumeMounts"][0] == {"name": VGPU_VOLUME, "mountPath": "/usr/local/vgpu", "readOnly": True}
+
+
+def enforce(kit: SimpleNamespace, pod: dict[str, Any]) -> dict[str, Any]:
+    return kit.response_of(Webhook(InjectionConfig(), "enforce").handle(kit.review_of(pod)))
+
+
+@pytest.mark.parametrize(("pod_level", "container_level"), [
+    ("RuntimeDefault", None), ("Localhost", None), (None, "RuntimeDefault"), (None, "Localhost"), ("Unconfined", "RuntimeDefault"),
+])
+def test_a_confining_seccomp_profile_is_admitted_the_containers_own_winning(kit: SimpleNamespace, pod_level: str | None, container_level: str | None) -> None:
+    pod = kit.make_pod(FRACTION, seccomp=pod_level)
+    if container_level:
+        pod["spec"]["containers"][0]["securityContext"] = {"seccompProfile": {"type": container_level, **({"localhostProfile": "p.json"} if container_level == "Localhost" else {})}}
+    if pod_level == "Localhost":
+        pod["spec"]["securityContext"]["seccompProfile"]["localhostProfile"] = "p.json"
+    assert enforce(kit, pod)["allowed"] is True
+
+
+def test_the_seccomp_rule_is_about_the_target_only(kit: SimpleNamespace) -> None:
+    pod = kit.make_pod(FRACTION, ["main", "sidecar"])
+    pod["spec"]["containers"][1]["securityContext"] = {"seccompProfile": {"type": "Unconfined"}}
+    assert enforce(kit, pod)["allowed"] is True
+    init_target = kit.make_pod({**FRACTION, "gpu-fraction-container-name": "setup"}, ["main"], inits=["setup"])
+    init_target["spec"]["initContainers"][0]["securityContext"] = {"seccompProfile": {"type": "Unconfined"}}
+    response = enforce(kit, init_target)
+    assert response["allowed"] is False and "container setup runs with seccomp profile Unconfined" in response["status"]["message"]
+
+
+def test_the_denial_says_why_seccomp_matters(kit: SimpleNamespace) -> None:
+    message = enforce(kit, kit.make_pod(FRACTION, seccomp=None))["status"]["message"]
+    assert "user namespace" in message and "remount /etc/ld.so.preload" in message and "RuntimeDefault or Localhost" in message
+
+
+def test_unreadable_seccomp_fields_are_a_finding_not_a_crash(kit: SimpleNamespace) -> None:
+    pod = kit.make_pod(FRACTION, seccomp=None)
+    pod["spec"]["securityContext"] = {"seccompProfile": {"type": ["RuntimeDefault"]}}
+    pod["spec"]["containers"][0]["securityContext"] = {"seccompProfile": "RuntimeDefault"}
+    response = enforce(kit, pod)
+    assert response["allowed"] is False and response["status"]["code"] == 403
+
+
+def test_the_webhooks_own_cache_path_is_no_finding_and_other_cuda_env_is_left_alone(kit: SimpleNamespace) -> None:
+    pod = with_target(kit, env=[{"name": "CUDA_DEVICE_MEMORY_SHARED_CACHE", "value": "/run/kai-isolator/usage.cache"},
+                                {"name": "CUDA_DEVICE_MEMORY_LIMIT_X", "value": "1"}, {"name": "CUDA_CACHE_PATH", "value": "/tmp"}])
+    answer = Webhook(InjectionConfig(), "enforce").handle(kit.review_of(pod))
+    assert kit.response_of(answer)["allowed"] is True and answer.record.findings == ()
+    pod = with_target(kit, env=[{"name": "CUDA_DEVICE_MEMORY_LIMIT_12", "value": "1"}])
+    assert "sets CUDA_DEVICE_MEMORY_LIMIT_12" in enforce(kit, pod)["status"]["message"]
+
+
+def test_grant_env_on_a_sidecar_is_not_a_finding(kit: SimpleNamespace) -> None:
+    pod = kit.make_pod(FRACTION, ["main", "sidecar"])
+    pod["spec"]["containers"][1]["env"] = [{"name": "CUDA_VISIBLE_DEVICES", "value": "0"}]
+    assert enforce(kit, pod)["allowed"] is True
+
+
+def test_other_mounts_of_the_grant_become_read_only(kit: SimpleNamespace) -> None:
+    pod = kit.make_pod(FRACTION, ["main", "sidecar"])
+    pod["spec"]["containers"][1]["volumeMounts"] = [{"name": GRANT_VOLUME, "mountPath": "/grants"}]
+    result = patched(kit, pod)
+    assert result["spec"]["containers"][1]["volumeMounts"] == [{"name": GRANT_VOLUME, "mountPath": "/grants", "readOnly": True}]

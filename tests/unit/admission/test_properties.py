@@ -1,5 +1,6 @@
 """Properties over generated pods: never a 5xx, every patch applies to its pod, the patched pod is a
-valid Kubernetes Pod (strict schema), and mutating it again changes nothing."""
+valid Kubernetes Pod (strict schema) whose target mounts its grant read-only, mutating it again changes
+nothing, and `enforce` never admits a target without a confining seccomp profile."""
 
 from __future__ import annotations
 
@@ -12,22 +13,25 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kai_isolator.services.admission.mutation import STATE_VOLUME, VGPU_VOLUME, InjectionConfig
+from kai_isolator.services.admission.mutation import GRANT_VOLUME, STATE_VOLUME, VGPU_VOLUME, InjectionConfig
 from kai_isolator.services.admission.webhook import Webhook
 
 K8S_VERSION = "1.33"
 CONTAINER_NAMES = ["main", "sidecar", "gpu-workload", "setup", "logger"]
-VOLUME_NAMES = [VGPU_VOLUME, STATE_VOLUME, "data", "config", "scratch"]
+VOLUME_NAMES = [VGPU_VOLUME, STATE_VOLUME, GRANT_VOLUME, "data", "config", "scratch"]
 MOUNT_PATHS = ["/data", "/etc/ld.so.preload", "/etc/./ld.so.preload", "/usr/local/vgpu", "/usr/local/vgpu/libvgpu.so",
-               "/run/kai-isolator", "/var/cache", "/etc", "/usr/local/vgpu/"]
+               "/run/kai-isolator", "/var/cache", "/etc", "/usr/local/vgpu/", "/etc/kai-isolator", "/etc/kai-isolator/grant.json"]
 ENV_NAMES = ["POD_UID", "CONTAINER_NAME", "CONTAINER_VGPU_MOUNT", "CUDA_DEVICE_MEMORY_SHARED_CACHE", "LD_PRELOAD",
-             "CUDA_DISABLE_CONTROL", "PATH", "HOME"]
+             "CUDA_DISABLE_CONTROL", "PATH", "HOME", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_MEMORY_LIMIT_0"]
+SECCOMP = [None, {"type": "RuntimeDefault"}, {"type": "Localhost", "localhostProfile": "profiles/p.json"}, {"type": "Unconfined"}]
+CONFINING = {"RuntimeDefault", "Localhost"}
 
 volume_sources = st.sampled_from([
     {"emptyDir": {}},
     {"configMap": {"name": "cfg"}},
     {"hostPath": {"path": "/usr/local/vgpu", "type": "DirectoryOrCreate"}},
     {"hostPath": {"path": "/var/lib/kai-isolator/containers", "type": "DirectoryOrCreate"}},
+    {"hostPath": {"path": "/var/lib/kai-isolator/grants", "type": "DirectoryOrCreate"}},
     {"hostPath": {"path": "/usr/local", "type": ""}},
     {"hostPath": {"path": "/tmp"}},
 ])
@@ -59,8 +63,14 @@ def containers(draw: st.DrawFn, names: list[str]) -> list[dict[str, Any]]:
         if draw(st.booleans()):
             env_names = draw(st.lists(st.sampled_from(ENV_NAMES), max_size=4))
             container["env"] = [draw(env_var(n)) for n in env_names]
+        security: dict[str, Any] = {}
         if draw(st.integers(0, 5)) == 0:
-            container["securityContext"] = {"privileged": draw(st.booleans())}
+            security["privileged"] = draw(st.booleans())
+        seccomp = draw(st.sampled_from(SECCOMP))
+        if seccomp is not None:
+            security["seccompProfile"] = seccomp
+        if security:
+            container["securityContext"] = security
         result.append(container)
     return result
 
@@ -78,6 +88,9 @@ def pods(draw: st.DrawFn) -> dict[str, Any]:
     if draw(st.integers(0, 4)) == 0:
         annotations["kai-resource-isolator.io/inject"] = draw(st.sampled_from(["false", "FALSE", "true"]))
     spec: dict[str, Any] = {"containers": draw(containers(regular))}
+    pod_seccomp = draw(st.sampled_from(SECCOMP))
+    if pod_seccomp is not None:
+        spec["securityContext"] = {"seccompProfile": pod_seccomp}
     if inits:
         spec["initContainers"] = draw(containers(inits))
     if draw(st.booleans()):
@@ -95,6 +108,23 @@ def review(pod: dict[str, Any]) -> bytes:
                                      "operation": "CREATE", "namespace": "test-ns", "object": pod}})
 
 
+def target_of(pod: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The fraction container as KAI resolves it (init containers first), with the list it is in."""
+    spec, wanted = pod["spec"], pod["metadata"].get("annotations", {}).get("gpu-fraction-container-name")
+    if wanted is None:
+        return "containers", spec["containers"][0]
+    for field in ("initContainers", "containers"):
+        for container in spec.get(field, []):
+            if container["name"] == wanted:
+                return field, container
+    return None
+
+
+def seccomp_of(pod: dict[str, Any], container: dict[str, Any]) -> str | None:
+    own = container.get("securityContext", {}).get("seccompProfile", {}).get("type")
+    return own or pod["spec"].get("securityContext", {}).get("seccompProfile", {}).get("type")
+
+
 def respond(webhook: Webhook, pod: dict[str, Any]) -> dict[str, Any]:
     answer = webhook.handle(review(pod))
     assert answer.status < 500
@@ -109,6 +139,9 @@ def test_patches_apply_validate_and_are_idempotent(pod: dict[str, Any], mode: st
     webhook = Webhook(InjectionConfig(), mode)  # type: ignore[arg-type]
     kubernetes_validate.validate(pod, K8S_VERSION, strict=True)  # the generator makes valid pods only
     response = respond(webhook, pod)
+    target = target_of(pod)
+    if mode == "enforce" and response["allowed"] and "patch" in response and target is not None:
+        assert seccomp_of(pod, target[1]) in CONFINING, "enforce admitted a target without a confining seccomp profile"
     if "patch" not in response:
         return
     assert response["allowed"] is True and response["patchType"] == "JSONPatch"
@@ -118,5 +151,17 @@ def test_patches_apply_validate_and_are_idempotent(pod: dict[str, Any], mode: st
         kubernetes_validate.validate(patched, K8S_VERSION, strict=True)
     except kubernetes_validate.ValidationError as error:
         raise AssertionError(f"patched pod is not a valid Pod: {str(error).splitlines()[0]}") from None
+    assert target is not None
+    field, container = target
+    name = container["name"]
+    patched_target = next(c for c in patched["spec"][field] if c["name"] == name)
+    at_grant = [m for m in patched_target.get("volumeMounts", []) if m["mountPath"].rstrip("/") == "/etc/kai-isolator"]
+    assert all(m.get("readOnly") is True for m in patched_target.get("volumeMounts", []) if m["name"] == GRANT_VOLUME)
+    if field == "containers":
+        assert at_grant == [{"name": GRANT_VOLUME, "mountPath": "/etc/kai-isolator", "subPathExpr": f"$(POD_UID)_{name}", "readOnly": True}]
+        (volume,) = [v for v in patched["spec"]["volumes"] if v["name"] == GRANT_VOLUME]
+        assert volume == {"name": GRANT_VOLUME, "hostPath": {"path": "/var/lib/kai-isolator/grants", "type": "DirectoryOrCreate"}}
+    for other in (c for f in ("initContainers", "containers") for c in patched["spec"].get(f, []) if c is not patched_target):
+        assert all(m.get("readOnly") is True for m in other.get("volumeMounts", []) if m["name"] == GRANT_VOLUME), "another container may write a grant"
     again = respond(webhook, patched)
     assert "patch" not in again, orjson.loads(base64.b64decode(again["patch"]))

@@ -73,6 +73,19 @@ helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
 /var/lib/kai-isolator
 {{- end -}}
 
+{{/* Where the node agent writes grants and the webhook mounts them from: absolute, apart from the state dir. */}}
+{{- define "kri.grantDir" -}}
+{{- $dir := .Values.paths.grantDir | trimSuffix "/" -}}
+{{- $state := printf "%s/containers" (include "kri.stateDir" .) -}}
+{{- if not (hasPrefix "/" $dir) -}}
+{{- fail (printf "paths.grantDir must be an absolute path, got %q" .Values.paths.grantDir) -}}
+{{- end -}}
+{{- if or (eq $dir $state) (hasPrefix (printf "%s/" $state) $dir) (hasPrefix (printf "%s/" $dir) $state) -}}
+{{- fail (printf "paths.grantDir %s must not contain or be inside the tenant-writable state dir %s" $dir $state) -}}
+{{- end -}}
+{{- $dir -}}
+{{- end -}}
+
 {{- define "kri.natsUrl" -}}
 {{- default (printf "nats://nats.%s.svc:4222" (include "kri.namespace" .)) .Values.bus.url -}}
 {{- end -}}

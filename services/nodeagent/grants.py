@@ -1,0 +1,589 @@
+"""Per-container grants: computed from KAI's ConfigMap and cross-checked against the pod's annotation, written
+root-owned and read-only where the webhook mounts them, for every GPU-sharing pod bound to this node.
+
+The tenant can edit the ConfigMap in its namespace, so the grant takes the smaller of the two values and
+says why; a grant once written is never raised. Missing or invalid inputs mean no grant (libvgpu.so then
+fails closed) and a published reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+from kubernetes_asyncio import client, config, watch
+from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.config import ConfigException
+from pydantic import ValidationError
+
+from kai_isolator.shared.contract import FRACTION_CONTAINER_ANNOTATION, GRANT_FILE, LIMIT_ENV, is_gpu_sharing
+from kai_isolator.shared.errors import ConfigError
+from kai_isolator.shared.events import GrantDecision, PodRef, Reason
+from kai_isolator.shared.grant import (
+    GPU_MEMORY_NODE_LABEL, DeviceGrant, Grant, GrantSource, annotation_limit_bytes, grant_dir_name,
+)
+from kai_isolator.shared.limits import parse_limit
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
+CDI_GPU_PREFIX = "k8s.device-plugin.nvidia.com/gpu="
+_DEVICE_ID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9/-]+$")
+# What may become one path component of the grant dir: a pod uid and a DNS-label container name.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,252}$")
+_TEMP_PREFIX = ".grant.json."
+_TIMEOUT = aiohttp.ClientTimeout(total=30)
+
+
+# --- computing a grant ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EnvRef:
+    """Where an env var of the target gets its value: a literal, or a key of a ConfigMap."""
+
+    literal: str | None = None
+    configmap: str | None = None
+    key: str = ""
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What one computation read: the env values as the container will see them, and the node's card size."""
+
+    limit: str | None
+    devices: str | None
+    node_label: str | None
+    missing_configmaps: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The grant to write (or none), with the reasons a reader needs when the inputs disagreed or were missing."""
+
+    container: str
+    grant: Grant | None
+    reasons: tuple[Reason, ...] = ()
+    configmap_limit_bytes: int | None = None
+    annotation_limit_bytes: int | None = None
+    retry: bool = False  # an input may still appear (a ConfigMap not written yet)
+
+
+def target_container(pod: Obj) -> Obj | None:
+    """The fraction container as KAI resolves it: the named one (init containers first), else containers[0]."""
+    spec = pod.get("spec") or {}
+    wanted = ((pod.get("metadata") or {}).get("annotations") or {}).get(FRACTION_CONTAINER_ANNOTATION)
+    if wanted:
+        for key in ("initContainers", "containers"):
+            for container in spec.get(key) or []:
+                if isinstance(container, dict) and container.get("name") == wanted:
+                    return container
+        return None
+    containers = spec.get("containers") or []
+    return containers[0] if containers and isinstance(containers[0], dict) else None
+
+
+def env_ref(container: Obj, name: str) -> EnvRef | None:
+    """The last definition of `name` in the container's env wins, as in kubelet."""
+    found = None
+    for item in container.get("env") or []:
+        if not isinstance(item, dict) or item.get("name") != name:
+            continue
+        if item.get("value") is not None:
+            found = EnvRef(literal=str(item["value"]))
+            continue
+        ref = (item.get("valueFrom") or {}).get("configMapKeyRef") or {}
+        found = EnvRef(configmap=str(ref["name"]), key=str(ref.get("key") or name)) if ref.get("name") else None
+    return found
+
+
+def parse_devices(value: str) -> tuple[str, ...]:
+    """GPU UUIDs from NVIDIA_VISIBLE_DEVICES as KAI writes it: comma-separated, possibly in CDI form."""
+    ids = [token.strip().removeprefix(CDI_GPU_PREFIX) for token in value.split(",") if token.strip()]
+    if not ids:
+        raise ConfigError(f"{DEVICES_ENV} names no device: {value!r}")
+    bad = [i for i in ids if not _DEVICE_ID.match(i)]
+    if bad:
+        raise ConfigError(f"{DEVICES_ENV} entries are not GPU UUIDs: {', '.join(map(repr, bad))}")
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"{DEVICES_ENV} names a device twice: {value!r}")
+    return tuple(ids)
+
+
+def decide(pod: Obj, container: Obj, inputs: Inputs) -> Decision:
+    """The grant for `container` of `pod`: min(ConfigMap limit, annotation recomputation) on each listed device."""
+    meta = pod.get("metadata") or {}
+    name = str(container.get("name") or "")
+    reasons: list[Reason] = []
+    if inputs.missing_configmaps:
+        which = ", ".join(inputs.missing_configmaps)
+        return Decision(name, None, (Reason(code="configmap-missing", message=f"ConfigMap {which} not found (yet)"),), retry=True)
+    configmap_limit = annotation_limit = None
+    devices: tuple[str, ...] = ()
+    if inputs.limit is None:
+        reasons.append(Reason(code="limit-missing", message=f"{LIMIT_ENV} is not set for container {name} (KAI's binder wrote no limit)"))
+    else:
+        try:
+            configmap_limit = parse_limit(inputs.limit)
+            if configmap_limit <= 0:
+                raise ConfigError(f"{LIMIT_ENV}={inputs.limit!r} is no limit")
+        except ConfigError as error:
+            configmap_limit = None
+            reasons.append(Reason(code="limit-invalid", message=str(error)))
+    if inputs.devices is None:
+        reasons.append(Reason(code="devices-missing", message=f"{DEVICES_ENV} is not set for container {name}"))
+    else:
+        try:
+            devices = parse_devices(inputs.devices)
+        except ConfigError as error:
+            reasons.append(Reason(code="devices-invalid", message=str(error)))
+    try:
+        label = int(inputs.node_label or "")
+    except ValueError:
+        reasons.append(Reason(code="node-label-invalid", message=f"node label {GPU_MEMORY_NODE_LABEL}={inputs.node_label!r} is not a MiB count"))
+    else:
+        try:
+            annotation_limit = annotation_limit_bytes(meta.get("annotations") or {}, label)
+        except ConfigError as error:
+            reasons.append(Reason(code="annotation-invalid", message=str(error)))
+    if configmap_limit is None or annotation_limit is None or not devices:
+        return Decision(name, None, tuple(reasons), configmap_limit, annotation_limit)
+    source = GrantSource.CONFIGMAP if configmap_limit <= annotation_limit else GrantSource.ANNOTATION
+    limit = min(configmap_limit, annotation_limit)
+    why = ""
+    if configmap_limit != annotation_limit:
+        why = (f"ConfigMap {LIMIT_ENV} ({configmap_limit} bytes) disagrees with the {_request(meta)} recomputed on a "
+               f"{inputs.node_label} MiB card ({annotation_limit} bytes); the smaller is granted")
+        reasons.append(Reason(code="limit-disagrees", message=why))
+    grant = Grant(
+        pod_uid=str(meta.get("uid") or ""), namespace=str(meta.get("namespace") or ""), pod=str(meta.get("name") or ""),
+        container=name, devices=tuple(DeviceGrant(uuid=d, limit_bytes=limit) for d in devices), source=source,
+        configmap_limit_bytes=configmap_limit, annotation_limit_bytes=annotation_limit, reason=why,
+    )
+    return Decision(name, grant, tuple(reasons), configmap_limit, annotation_limit)
+
+
+def _request(meta: Obj) -> str:
+    annotations = meta.get("annotations") or {}
+    for key in ("gpu-memory", "gpu-fraction"):
+        if key in annotations:
+            return f"{key} annotation {annotations[key]!r}"
+    return "annotation"
+
+
+def same_grant(a: Grant, b: Grant) -> bool:
+    """Equal but for when they were written."""
+    return a.model_dump(exclude={"written_at"}) == b.model_dump(exclude={"written_at"})
+
+
+def never_raised(new: Grant, old: Grant | None) -> tuple[Grant, Reason | None]:
+    """A grant once written only ever shrinks: the tenant may edit its ConfigMap and its pod's annotations later."""
+    if old is None or old.pod_uid != new.pod_uid:
+        return new, None
+    old_limits = {d.uuid: d.limit_bytes for d in old.devices}
+    if set(old_limits) != {d.uuid for d in new.devices}:
+        return old, Reason(code="grant-kept", message=f"the devices changed from {sorted(old_limits)} after the grant was written; it stays")
+    if any(d.limit_bytes > old_limits[d.uuid] for d in new.devices):
+        return old, Reason(code="grant-kept", message="a later computation would raise the written grant; it stays")
+    return new, None
+
+
+# --- writing a grant --------------------------------------------------------------------
+
+
+def _component(value: str, what: str) -> str:
+    if not _NAME.match(value) or value in (".", ".."):
+        raise ConfigError(f"{what} {value!r} cannot name a grant directory")
+    return value
+
+
+def grant_path(root: Path, pod_uid: str, container: str) -> Path:
+    return root / grant_dir_name(_component(pod_uid, "pod uid"), _component(container, "container name")) / GRANT_FILE
+
+
+def read_grant(root: Path, pod_uid: str, container: str) -> Grant | None:
+    """The grant written earlier, or None when there is none or it is unreadable (it is then rewritten)."""
+    try:
+        return Grant.model_validate_json(grant_path(root, pod_uid, container).read_bytes())
+    except (OSError, ValidationError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def _open_dir(path: Path) -> Iterator[int]:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def write_grant(root: Path, grant: Grant) -> bool:
+    """Atomically (re)write the grant, mode 0444, in its 0755 directory; False when it already says this."""
+    path = grant_path(root, grant.pod_uid, grant.container)
+    existing = read_grant(root, grant.pod_uid, grant.container)
+    if existing is not None and same_grant(existing, grant) and (path.stat().st_mode & 0o777) == 0o444:
+        return False
+    root.mkdir(mode=0o755, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path.parent, 0o755)  # the kubelet may have made it first (subPathExpr)
+    data = grant.model_dump_json().encode()
+    temp = f"{_TEMP_PREFIX}{os.getpid()}.{time.monotonic_ns()}"
+    # Through a directory fd opened without following links: a link planted in the tree is never written through.
+    with _open_dir(path.parent) as directory:
+        os.fchmod(directory, 0o755)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444, dir_fd=directory)
+        try:
+            os.fchmod(fd, 0o444)
+            os.write(fd, data)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(temp, dir_fd=directory)
+            raise
+        os.close(fd)
+        os.replace(temp, GRANT_FILE, src_dir_fd=directory, dst_dir_fd=directory)
+        os.fsync(directory)
+    return True
+
+
+def granted_pods(root: Path) -> dict[str, list[Path]]:
+    """Pod uid -> its grant directories found on the host."""
+    found: dict[str, list[Path]] = {}
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(root):
+            uid, sep, _ = entry.name.partition("_")
+            if sep and entry.is_dir(follow_symlinks=False):
+                found.setdefault(uid, []).append(Path(entry.path))
+    return found
+
+
+def remove_grants(root: Path, pod_uid: str) -> list[str]:
+    """Remove every grant directory of a pod; the container names whose grants were removed."""
+    removed = []
+    for directory in granted_pods(root).get(pod_uid, []):
+        shutil.rmtree(directory, ignore_errors=True)
+        removed.append(directory.name.partition("_")[2])
+    return removed
+
+
+def collect_stale(root: Path, live: set[str], grace_s: float) -> list[str]:
+    """Remove grant directories of pods no longer on this node, once untouched for `grace_s` (a pod bound
+    after the listing may have had its directory made by the kubelet meanwhile)."""
+    removed = []
+    now = time.time()
+    for uid, directories in granted_pods(root).items():
+        if uid in live:
+            continue
+        for directory in directories:
+            with contextlib.suppress(FileNotFoundError):
+                if now - directory.stat().st_mtime >= grace_s:
+                    shutil.rmtree(directory, ignore_errors=True)
+                    removed.append(directory.name)
+    return removed
+
+
+# --- the pod source ---------------------------------------------------------------------
+
+
+async def api_client(kubeconfig: Path | None) -> client.ApiClient | None:
+    """A client from the kubeconfig, else the in-cluster service account; None outside a cluster without one."""
+    configuration = client.Configuration()
+    try:
+        if kubeconfig is not None:
+            await config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration, persist_config=False)
+        elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+            config.load_incluster_config(client_configuration=configuration)
+        else:
+            return None
+    except (ConfigException, OSError, ValueError, TypeError, AttributeError, yaml.YAMLError) as error:
+        # A kubeconfig that is not YAML or not a kubeconfig fails in the loader in any of these ways.
+        raise ConfigError(f"the node agent reads pods to write grants and cannot load a Kubernetes client configuration: {error}") from None
+    return client.ApiClient(configuration)
+
+
+Publish = Callable[[GrantDecision], Awaitable[None]]
+
+
+@dataclass
+class _Tracked:
+    pod: Obj
+    published: set[str] = field(default_factory=set)
+    fingerprint: str = ""  # what the grant depends on in the pod: its annotations and the target's env
+    settled: str = ""  # the fingerprint a grant was last written or kept for: status changes need no new reads
+
+
+class GrantKeeper:
+    """Lists and watches the pods bound to one node and keeps their grants on disk: written as soon as the
+    pod is bound and its ConfigMap exists, retried while an input is missing, removed when the pod is deleted."""
+
+    def __init__(self, api: client.ApiClient, node: str, root: Path, publish: Publish, *, retry_s: float = 2.0,
+                 watch_timeout_s: int = 300, read_timeout_s: float = 90.0, backoff_max_s: float = 10.0, stale_grace_s: float = 60.0) -> None:
+        self.core = client.CoreV1Api(api)
+        self.node = node
+        self.root = root
+        self.publish = publish
+        self.retry_s = retry_s
+        self.watch_timeout_s = watch_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.backoff_max_s = backoff_max_s
+        self.stale_grace_s = stale_grace_s
+        self.pods: dict[str, _Tracked] = {}
+        self.waiting: set[str] = set()
+        self.synced = asyncio.Event()
+        self._api = api
+        self._lock = asyncio.Lock()
+
+    async def close(self) -> None:
+        await self._api.close()
+
+    # --- the loop ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """List, then watch from the listed version; relist on 410; back off on API failures. Runs until cancelled."""
+        retries = asyncio.create_task(self._retry_waiting(), name="grant-retries")
+        delay, version = 0.2, None
+        try:
+            while True:
+                try:
+                    if version is None:
+                        version = await self._relist()
+                    version = await self._watch(version)
+                    delay = 0.2
+                except ApiException as error:
+                    if error.status == 410:
+                        version = None
+                        continue
+                    log.warning("Kubernetes API error while watching pods for grants", extra={"node": self.node, "status": error.status, "error": error.reason})
+                    version = None
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.backoff_max_s)
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
+                    log.warning("Kubernetes API unavailable while watching pods for grants", extra={"node": self.node, "error": repr(error)})
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.backoff_max_s)
+                except Exception:  # noqa: BLE001 - a bug on one pod must not stop grants for the others: relist
+                    log.exception("grant keeping failed; relisting", extra={"node": self.node})
+                    version = None
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.backoff_max_s)
+        finally:
+            retries.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await retries
+
+    def _selector(self) -> str:
+        return f"spec.nodeName={self.node}"
+
+    async def _relist(self) -> str:
+        listing = await self._read(self.core.list_pod_for_all_namespaces(
+            field_selector=self._selector(), _preload_content=False, _request_timeout=aiohttp.ClientTimeout(total=60)))
+        if listing is None:
+            raise ApiException(status=404, reason="pods cannot be listed")
+        live = set()
+        for pod in listing.get("items") or []:
+            uid = str((pod.get("metadata") or {}).get("uid") or "")
+            live.add(uid)
+            await self.on_pod(pod)
+        for uid in [u for u in self.pods if u not in live]:
+            await self.on_deleted(self.pods[uid].pod)
+        stale = await asyncio.to_thread(collect_stale, self.root, live, self.stale_grace_s)
+        if stale:
+            log.info("removed grants of pods no longer on this node", extra={"node": self.node, "grants": stale})
+        self.synced.set()
+        return str(listing["metadata"]["resourceVersion"])
+
+    async def _watch(self, version: str) -> str:
+        timeout = aiohttp.ClientTimeout(sock_connect=10, sock_read=self.read_timeout_s)
+        async with watch.Watch(return_type="object") as stream:
+            async for event in stream.stream(
+                self.core.list_pod_for_all_namespaces, field_selector=self._selector(), resource_version=version,
+                allow_watch_bookmarks=True, timeout_seconds=self.watch_timeout_s, _request_timeout=timeout,
+            ):
+                if not isinstance(event, dict):
+                    raise ApiException(status=0, reason=f"unreadable watch line: {str(event)[:200]}")
+                pod = event.get("raw_object") or {}
+                if event.get("type") in ("ADDED", "MODIFIED"):
+                    await self.on_pod(pod)
+                elif event.get("type") == "DELETED":
+                    await self.on_deleted(pod)
+                version = str((pod.get("metadata") or {}).get("resourceVersion") or version)
+        return version
+
+    async def _retry_waiting(self) -> None:
+        while True:
+            await asyncio.sleep(self.retry_s)
+            for uid in list(self.waiting):
+                tracked = self.pods.get(uid)
+                if tracked is not None:
+                    try:
+                        await self.on_pod(tracked.pod)
+                    except Exception as error:  # noqa: BLE001 - retried on the next round
+                        log.warning("grant retry failed", extra={"node": self.node, "pod_uid": uid, "error": repr(error)})
+
+    # --- one pod ----------------------------------------------------------------------
+
+    async def on_pod(self, pod: Obj) -> None:
+        meta = pod.get("metadata") or {}
+        uid = str(meta.get("uid") or "")
+        annotations = meta.get("annotations") or {}
+        if not uid or (pod.get("spec") or {}).get("nodeName") != self.node or not isinstance(annotations, dict) or not is_gpu_sharing(annotations):
+            return
+        async with self._lock:
+            tracked = self.pods.setdefault(uid, _Tracked(pod))
+            tracked.pod = pod
+            container = target_container(pod)
+            tracked.fingerprint = json.dumps([annotations, container], sort_keys=True, default=str)
+            if tracked.settled == tracked.fingerprint and uid not in self.waiting:
+                return
+            if container is None:
+                self.waiting.discard(uid)
+                await self._tell(tracked, GrantDecision(
+                    pod=_ref(pod), node_name=self.node, container=str(annotations.get(FRACTION_CONTAINER_ANNOTATION, "")), outcome="withheld",
+                    reasons=[Reason(code="no-target-container", message="the pod names no container KAI would give the GPU share")]))
+                return
+            try:
+                inputs = await self._inputs(pod, container)
+            except (ApiException, aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+                # One unreadable ConfigMap (forbidden, the API away) must not hold up the other pods: retried.
+                why = f"HTTP {error.status}: {error.reason}" if isinstance(error, ApiException) else repr(error)
+                reason = Reason(code="inputs-unreadable", message=f"cannot read the pod's ConfigMap or its node ({why})")
+                decision = Decision(str(container.get("name") or ""), None, (reason,), retry=True)
+            else:
+                decision = decide(pod, container, inputs)
+            await self._apply(tracked, pod, decision)
+
+    async def _apply(self, tracked: _Tracked, pod: Obj, decision: Decision) -> None:
+        uid = str(pod["metadata"]["uid"])
+        old = await asyncio.to_thread(_read_quietly, self.root, uid, decision.container)
+        reasons = list(decision.reasons)
+        grant = decision.grant
+        self.waiting.discard(uid)
+        if grant is None:
+            if old is not None:
+                # Inputs gone (a deleted or edited ConfigMap) never take back a grant already given.
+                await self._tell(tracked, self._event(pod, decision, "kept", old, reasons))
+                tracked.settled = tracked.fingerprint
+            else:
+                if decision.retry:
+                    self.waiting.add(uid)
+                await self._tell(tracked, self._event(pod, decision, "withheld", None, reasons))
+            return
+        grant, kept = never_raised(grant, old)
+        if kept is not None:
+            reasons.append(kept)
+            await self._tell(tracked, self._event(pod, decision, "kept", grant, reasons))
+            tracked.settled = tracked.fingerprint
+            return
+        try:
+            written = await asyncio.to_thread(write_grant, self.root, grant)
+        except (ConfigError, OSError) as error:
+            self.waiting.add(uid)  # a full or read-only disk may recover; a bad name is reported once
+            reasons.append(Reason(code="grant-write-failed", message=f"{type(error).__name__}: {error}"))
+            await self._tell(tracked, self._event(pod, decision, "withheld", None, reasons))
+            return
+        tracked.settled = tracked.fingerprint
+        if written:
+            log.info("grant written", extra={"node": self.node, "pod": f"{grant.namespace}/{grant.pod}", "container": grant.container,
+                                             "limit_bytes": grant.devices[0].limit_bytes, "source": grant.source.value, "reason": grant.reason})
+        await self._tell(tracked, self._event(pod, decision, "written", grant, reasons))
+
+    async def on_deleted(self, pod: Obj) -> None:
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        if not uid:
+            return
+        async with self._lock:
+            tracked = self.pods.pop(uid, None)
+            self.waiting.discard(uid)
+            removed = await asyncio.to_thread(remove_grants, self.root, uid)
+        for container in removed:
+            log.info("grant removed", extra={"node": self.node, "pod_uid": uid, "container": container})
+            await self._tell(tracked or _Tracked(pod), GrantDecision(pod=_ref(pod), node_name=self.node, container=container, outcome="removed"))
+
+    async def _inputs(self, pod: Obj, container: Obj) -> Inputs:
+        namespace = str(pod["metadata"].get("namespace") or "")
+        refs = {name: env_ref(container, name) for name in (LIMIT_ENV, DEVICES_ENV)}
+        maps: dict[str, dict[str, str] | None] = {}
+        for ref in refs.values():
+            if ref is not None and ref.configmap is not None and ref.configmap not in maps:
+                maps[ref.configmap] = await self._configmap(namespace, ref.configmap)
+        missing = tuple(sorted(name for name, data in maps.items() if data is None))
+
+        def value(ref: EnvRef | None) -> str | None:
+            if ref is None:
+                return None
+            if ref.literal is not None:
+                return ref.literal
+            return (maps.get(ref.configmap or "") or {}).get(ref.key)
+
+        return Inputs(value(refs[LIMIT_ENV]), value(refs[DEVICES_ENV]), await self._node_label(), missing)
+
+    async def _configmap(self, namespace: str, name: str) -> dict[str, str] | None:
+        found = await self._read(self.core.read_namespaced_config_map(name, namespace, _preload_content=False, _request_timeout=_TIMEOUT))
+        return None if found is None else {str(k): str(v) for k, v in (found.get("data") or {}).items()}
+
+    async def _node_label(self) -> str | None:
+        node = await self._read(self.core.read_node(self.node, _preload_content=False, _request_timeout=_TIMEOUT))
+        return None if node is None else ((node.get("metadata") or {}).get("labels") or {}).get(GPU_MEMORY_NODE_LABEL)
+
+    @staticmethod
+    async def _read(request: Awaitable[Any]) -> Obj | None:
+        """One object as plain JSON (no client models: they reject what a real server may leave out); None on 404."""
+        response = await request
+        try:
+            body = await response.read()
+        finally:
+            response.release()
+        if response.status == 404:
+            return None
+        if response.status >= 400:
+            raise ApiException(status=response.status, reason=body[:200].decode("utf-8", "replace"))
+        return json.loads(body)
+
+    def _event(self, pod: Obj, decision: Decision, outcome: str, grant: Grant | None, reasons: list[Reason]) -> GrantDecision:
+        return GrantDecision(
+            pod=_ref(pod), node_name=self.node, container=decision.container, outcome=outcome,  # type: ignore[arg-type]
+            source=grant.source.value if grant else None, limit_bytes=grant.devices[0].limit_bytes if grant else None,
+            devices=[d.uuid for d in grant.devices] if grant else [], configmap_limit_bytes=decision.configmap_limit_bytes,
+            annotation_limit_bytes=decision.annotation_limit_bytes, reasons=reasons,
+        )
+
+    async def _tell(self, tracked: _Tracked, event: GrantDecision) -> None:
+        """Log and publish each distinct decision once per pod (watch events repeat the same facts)."""
+        key = event.dedup_id()
+        if key in tracked.published:
+            return
+        tracked.published.add(key)
+        level = logging.INFO if event.outcome in ("written", "removed") and not event.reasons else logging.WARNING
+        log.log(level, "grant %s", event.outcome, extra={
+            "node": self.node, "pod": f"{event.pod.namespace}/{event.pod.name}", "container": event.container,
+            "reasons": "; ".join(f"{r.code}: {r.message}" for r in event.reasons)})
+        try:
+            await self.publish(event)
+        except Exception as error:  # noqa: BLE001 - the bus being away must never stop grants being written
+            log.warning("could not publish a grant decision", extra={"node": self.node, "error": repr(error)})
+
+
+def _read_quietly(root: Path, uid: str, container: str) -> Grant | None:
+    try:
+        return read_grant(root, uid, container)
+    except ConfigError:
+        return None
+
+
+def _ref(pod: Obj) -> PodRef:
+    meta = pod.get("metadata") or {}
+    return PodRef(namespace=str(meta.get("namespace") or ""), name=str(meta.get("name") or ""), uid=str(meta.get("uid") or ""))
