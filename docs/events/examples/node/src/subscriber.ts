@@ -60,7 +60,7 @@ function handle(msg: JsMsg, validators: Map<string, ValidateFunction>): void {
     return;
   }
   if (!validate(event)) {
-    const errors = (validate.errors ?? []).map((e) => `${e.instancePath || "/"} ${e.message}`).join("; ");
+    const errors = (validate.errors ?? []).map((e) => `${e.instancePath || "/"} ${e.message} ${JSON.stringify(e.params)}`).join("; ");
     console.log(`invalid seq=${msg.seq} subject=${msg.subject} type=${String(type)}: ${errors}`);
     msg.term(); // redelivering a message that does not match its schema would not make it match
     return;
