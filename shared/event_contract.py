@@ -251,8 +251,6 @@ def asyncapi_document() -> dict[str, Any]:
     operations: dict[str, Any] = {}
     for channel in all_channels:
         types = placed[channel.id]
-        if not types:
-            continue
         doc_channels[channel.id] = {
             "address": channel.address,
             "title": channel.id.replace("_", " "),
@@ -260,34 +258,19 @@ def asyncapi_document() -> dict[str, Any]:
             "parameters": {name: {"description": f"{text}, with `.` encoded as `_`"} for name, text in channel.parameters.items()},
             "messages": {t: {"$ref": f"#/components/messages/{t}"} for t in types},
         }
-        if channel.in_stream:
-            operations[f"publish_{channel.id}"] = {
-                "action": "send",
-                "title": f"publish on {channel.address}",
-                "summary": "published to the ISOLATOR stream with `Nats-Msg-Id` = CloudEvents `id`",
-                "channel": {"$ref": f"#/channels/{channel.id}"},
-                "messages": [{"$ref": f"#/channels/{channel.id}/messages/{t}"} for t in types],
+        requests = [t for t in types if ".request." in t and not channel.in_stream]
+        published = [t for t in types if t not in requests]
+        if published:
+            operations[f"publish_{channel.id}"] = _publish_operation(channel, published)
+        if requests:
+            reply_types = [r for t in requests for r in _replies_to(t) if r in replies]
+            doc_channels[f"{channel.id}_reply"] = {
+                "address": None,
+                "title": f"reply to {channel.address}",
+                "description": "the requester's inbox (the NATS reply subject of the request)",
+                "messages": {t: {"$ref": f"#/components/messages/{t}"} for t in reply_types},
             }
-            continue
-        reply_types = [r for t in types for r in _replies_to(t) if r in replies]
-        reply_channel = f"{channel.id}_reply"
-        doc_channels[reply_channel] = {
-            "address": None,
-            "title": f"reply to {channel.address}",
-            "description": "the requester's inbox (the NATS reply subject of the request)",
-            "messages": {t: {"$ref": f"#/components/messages/{t}"} for t in reply_types},
-        }
-        operations[f"answer_{channel.id}"] = {
-            "action": "receive",
-            "title": f"answer requests on {channel.address}",
-            "summary": "the node agent on `{node}` answers; one responder per node (queue group of the service)",
-            "channel": {"$ref": f"#/channels/{channel.id}"},
-            "messages": [{"$ref": f"#/channels/{channel.id}/messages/{t}"} for t in types],
-            "reply": {
-                "channel": {"$ref": f"#/channels/{reply_channel}"},
-                "messages": [{"$ref": f"#/channels/{reply_channel}/messages/{t}"} for t in reply_types],
-            },
-        }
+            operations[f"answer_{channel.id}"] = _answer_operation(channel, requests, reply_types)
 
     schemas = model_schemas(template)
     streamed = {t for c in all_channels if c.in_stream for t in placed[c.id]}
@@ -326,6 +309,32 @@ def asyncapi_document() -> dict[str, Any]:
         "x-nats-kv": {
             bucket: {"key": key, "value": {"$ref": template.format(model=model.__name__)}, "description": f"the latest {model.__name__} (bare payload JSON, not a CloudEvent) under {key}"}
             for bucket, (key, model) in SHARED_BUCKETS.items()
+        },
+    }
+
+
+def _publish_operation(channel: Channel, types: list[str]) -> dict[str, Any]:
+    how = f"published to the {subjects.STREAM_NAME} stream with `Nats-Msg-Id` = CloudEvents `id`" if channel.in_stream else "published on core NATS"
+    return {
+        "action": "send",
+        "title": f"publish on {channel.address}",
+        "summary": how,
+        "channel": {"$ref": f"#/channels/{channel.id}"},
+        "messages": [{"$ref": f"#/channels/{channel.id}/messages/{t}"} for t in types],
+    }
+
+
+def _answer_operation(channel: Channel, requests: list[str], reply_types: list[str]) -> dict[str, Any]:
+    responder = "the node agent on `{node}`" if "{node}" in channel.address else "the service that serves this subject"
+    return {
+        "action": "receive",
+        "title": f"answer requests on {channel.address}",
+        "summary": f"{responder} answers (one responder per service instance group); an unreadable or failed request gets an error reply",
+        "channel": {"$ref": f"#/channels/{channel.id}"},
+        "messages": [{"$ref": f"#/channels/{channel.id}/messages/{t}"} for t in requests],
+        "reply": {
+            "channel": {"$ref": f"#/channels/{channel.id}_reply"},
+            "messages": [{"$ref": f"#/channels/{channel.id}_reply/messages/{t}"} for t in reply_types],
         },
     }
 
