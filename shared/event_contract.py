@@ -86,7 +86,7 @@ def envelope_schema(event_type: str, ref_template: str, model: type[Payload] | N
     model = model or model_for(event_type)
     generated = Envelope.model_json_schema(mode="serialization")
     properties: dict[str, Any] = {}
-    for name, field in Envelope.model_fields.items():
+    for name in Envelope.model_fields:
         prop = {k: v for k, v in generated["properties"][name].items() if k not in ("title", "default")}
         properties[name] = {**prop, "description": ENVELOPE_NOTES.get(name, "")}
     properties["type"] = {"const": event_type, "description": ENVELOPE_NOTES["type"]}
@@ -111,7 +111,7 @@ def event_schema(event_type: str, model: type[Payload] | None = None) -> dict[st
         "$schema": JSON_SCHEMA_DIALECT,
         "$id": f"urn:kai-isolator:event:{event_type}",
         **envelope_schema(event_type, template, model),
-        "$defs": _reachable(model_schemas(template, [model]), model.__name__),
+        "$defs": model_schemas(template, [model]),  # only what this type uses, so the file changes only with it
     }
 
 
@@ -132,19 +132,6 @@ def _discriminator(model: type[Payload]) -> str | None:
         if typing.get_origin(field.annotation) is typing.Literal and set(typing.get_args(field.annotation)) == tokens:
             return name
     return None
-
-
-def _reachable(defs: dict[str, Any], root: str) -> dict[str, Any]:
-    """Only the definitions `root` uses, so each schema file stands alone and changes only with its type."""
-    keep: set[str] = set()
-    pending = [root]
-    while pending:
-        name = pending.pop()
-        if name in keep:
-            continue
-        keep.add(name)
-        pending += [ref.rsplit("/", 1)[1] for ref in re.findall(r'"\$ref": "([^"]+)"', json.dumps(defs[name]))]
-    return {name: schema for name, schema in defs.items() if name in keep}
 
 
 def _nullable(annotation: Any) -> bool:
