@@ -20,9 +20,9 @@ import yaml
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from . import subjects
+from . import events, subjects
 from .errors import DecodeError
-from .events import CONTENT_TYPE, PAYLOAD_CLASSES, REGISTRY, Envelope, ErrorReply, Payload
+from .events import CONTENT_TYPE, REGISTRY, Envelope, ErrorReply, NodeStatus, Payload
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 ASYNCAPI_VERSION = "3.0.0"
@@ -55,7 +55,7 @@ ENVELOPE_NOTES = {
 
 # KV buckets a subscriber may read (a service's private buckets are not part of the contract).
 SHARED_BUCKETS: dict[str, tuple[str, type[BaseModel]]] = {
-    subjects.NODE_STATUS_BUCKET: ("the node name", next(c for c in PAYLOAD_CLASSES if c.__name__ == "NodeStatus")),
+    subjects.NODE_STATUS_BUCKET: ("the node name", NodeStatus),
 }
 
 _SENTINEL = "kaisentinel"
@@ -75,9 +75,10 @@ def model_for(event_type: str) -> type[Payload]:
     return model
 
 
-def model_schemas(ref_template: str, models: Sequence[type[BaseModel]] = PAYLOAD_CLASSES) -> dict[str, Any]:
-    """The JSON Schema of every payload model and every model they use, keyed by model name."""
-    _, top = models_json_schema([(cls, "serialization") for cls in models], ref_template=ref_template)
+def model_schemas(ref_template: str, models: Sequence[type[BaseModel]] | None = None) -> dict[str, Any]:
+    """The JSON Schema of every payload model (or of `models`) and every model they use, keyed by model name."""
+    chosen = events.PAYLOAD_CLASSES if models is None else models
+    _, top = models_json_schema([(cls, "serialization") for cls in chosen], ref_template=ref_template)
     return dict(sorted(top.get("$defs", {}).items()))
 
 
