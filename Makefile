@@ -14,7 +14,7 @@ CUDA_HEADERS := $(CUDA_HOME)/include/cuda.h
 endif
 export CUDA_HOME
 
-.PHONY: test run hami-core bench clean
+.PHONY: test run hami-core bench clean contract contract-tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,8 +29,15 @@ $(abspath $(CUDA_WHEEL_DIR))/nvidia/cu13/include/cuda.h: | $(STAMP)
 hami-core: $(CUDA_HEADERS)
 	$(MAKE) -C hami-core CUDA_HOME=$(CUDA_HOME)
 
-test: $(STAMP) hami-core
+test: $(STAMP) hami-core contract-tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The event contract (docs/events): regenerate it from the code; build its validator and example subscribers.
+contract: $(STAMP)
+	$(BIN)/python -m kai_isolator.shared.event_contract docs/events
+
+contract-tools:
+	$(MAKE) -C docs/events tools
 
 run: $(STAMP) hami-core
 	$(BIN)/kai-isolator dev --demo

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import sys
 from datetime import datetime
 
 from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import stop_signals
 from kai_isolator.shared.embedded_nats import bus_url
+from kai_isolator.shared.event_contract import event_schema
 from kai_isolator.shared.settings import BusSettings, load
 from kai_isolator.shared.tail import follow, parse_since, render_line
 
@@ -21,10 +23,14 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--since", help="replay from this long ago (10m, 2h, 1d) or an ISO time, then follow")
     parser.add_argument("--json", action="store_true", help="print each CloudEvent as one JSON line")
     parser.add_argument("--limit", type=int, help="exit after this many events")
+    parser.add_argument("--schema", metavar="TYPE", help="print the JSON Schema of a CloudEvents type (e.g. io.kai-isolator.health.verdict.v1) and exit")
     return parser
 
 
 async def run(args: argparse.Namespace) -> int:
+    if args.schema:
+        print(json.dumps(event_schema(args.schema), indent=2, ensure_ascii=False))
+        return 0
     since = parse_since(args.since) if args.since else None
     async with bus_url(load(BusSettings, args)) as url:
         with stop_signals() as stop:
