@@ -119,33 +119,33 @@ def test_the_latest_release_is_chosen_by_version_not_by_name(tmp_path) -> None: 
 def test_what_others_add_lands_in_the_contract_and_passes_every_check(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A new subject and event type, a new verdict value and a new optional field: regenerate, and all checks pass."""
 
-    def grant(namespace: str, name: str) -> str:
-        return f"{subjects.ROOT}.grant.{subjects.encode_token(namespace)}.{subjects.encode_token(name)}"
+    def quota(namespace: str, name: str) -> str:
+        return f"{subjects.ROOT}.quota.{subjects.encode_token(namespace)}.{subjects.encode_token(name)}"
 
-    grant.__module__ = subjects.__name__
+    quota.__module__ = subjects.__name__
 
-    class GrantIssued(Payload):
-        """A grant was written for a container."""
+    class QuotaIssued(Payload):
+        """A quota was set for a container."""
 
-        TYPES = ("io.kai-isolator.grant.issued.v1",)
+        TYPES = ("io.kai-isolator.quota.issued.v1",)
         pod: PodRef
         limit_bytes: int = Field(ge=0)
 
         def subject(self) -> str:
-            return grant(self.pod.namespace, self.pod.name)
+            return quota(self.pod.namespace, self.pod.name)
 
     class HealthVerdictWithBreach(HealthVerdict):
         verdict: Literal["verified", "degraded", "missing", "breached"]  # type: ignore[assignment]
         breach_bytes: int | None = None
 
-    monkeypatch.setattr(subjects, "grant", grant, raising=False)
-    monkeypatch.setattr(subjects, "STREAM_SUBJECTS", (*subjects.STREAM_SUBJECTS, f"{subjects.ROOT}.grant.>"))
+    monkeypatch.setattr(subjects, "quota", quota, raising=False)
+    monkeypatch.setattr(subjects, "STREAM_SUBJECTS", (*subjects.STREAM_SUBJECTS, f"{subjects.ROOT}.quota.>"))
     classes = tuple(HealthVerdictWithBreach if c is HealthVerdict else c for c in events.PAYLOAD_CLASSES)
-    monkeypatch.setattr(events, "PAYLOAD_CLASSES", (*classes, GrantIssued))
+    monkeypatch.setattr(events, "PAYLOAD_CLASSES", (*classes, QuotaIssued))
     monkeypatch.setitem(REGISTRY, V1, HealthVerdictWithBreach)
-    monkeypatch.setitem(REGISTRY, GrantIssued.TYPES[0], GrantIssued)
+    monkeypatch.setitem(REGISTRY, QuotaIssued.TYPES[0], QuotaIssued)
 
-    assert "schemas/io.kai-isolator.grant.issued.v1.json" in event_contract.stale_files(EVENTS)  # the checked-in copy asks for `make contract`
+    assert "schemas/io.kai-isolator.quota.issued.v1.json" in event_contract.stale_files(EVENTS)  # the checked-in copy asks for `make contract`
     contract = tmp_path / "events"
     event_contract.write(contract)
     release = event_compat.latest_release(EVENTS / "released")
@@ -153,8 +153,8 @@ def test_what_others_add_lands_in_the_contract_and_passes_every_check(monkeypatc
     assert event_compat.breaking_changes(event_compat.load_schemas(release), event_compat.load_schemas(contract / "schemas")) == []
 
     doc = yaml.safe_load((contract / "asyncapi.yaml").read_text())
-    assert doc["channels"]["grant"]["address"] == "isolator.grant.{ns}.{pod}"
-    assert [m["$ref"] for m in doc["operations"]["publish_grant"]["messages"]] == ["#/channels/grant/messages/io.kai-isolator.grant.issued.v1"]
+    assert doc["channels"]["quota"]["address"] == "isolator.quota.{ns}.{pod}"
+    assert [m["$ref"] for m in doc["operations"]["publish_quota"]["messages"]] == ["#/channels/quota/messages/io.kai-isolator.quota.issued.v1"]
     assert "breached" in json.dumps(doc["components"]["schemas"]["HealthVerdictWithBreach"])
     result = subprocess.run([*contract_tools().validate_asyncapi, str(contract / "asyncapi.yaml")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
