@@ -284,8 +284,9 @@ def patch_ops(view: PodView, target: Target, config: InjectionConfig, desired: D
 
 def _read_only_fixes(view: PodView, target: Target, desired: Desired) -> list[Op]:
     """Any other mount of a volume we define becomes read-only: the library dir is the node's,
-    and the state dir holds every container's accounting."""
-    guarded = {v["name"] for v in desired.volumes}
+    and the state dir holds every container's accounting. The grant's name is ours even where
+    this target gets no grant (an init container): nobody may write under that name."""
+    guarded = {v["name"] for v in desired.volumes} | {GRANT_VOLUME}
     own_paths = {m["mountPath"] for m in desired.mounts}
     ops: list[Op] = []
     for field, index, container in view.all_containers():
