@@ -378,6 +378,26 @@ EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
     return CUDA_SUCCESS;
 }
 
+/* The 16 bytes behind the fake NVML's "GPU-<ii>00fa4e-1111-2222-3333-<i, 12 digits>" of the
+ * physical device, so both APIs name a device alike, as the real ones do. */
+EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev) {
+    config();
+    if (!uuid) return CUDA_ERROR_INVALID_VALUE;
+    int phys = physical(dev);
+    if (phys < 0) return CUDA_ERROR_INVALID_DEVICE;
+    char text[64], *p = text;
+    snprintf(text, sizeof text, "%02d00fa4e111122223333%012d", phys, phys);
+    for (int i = 0; i < 16; i++, p += 2) {
+        unsigned byte;
+        sscanf(p, "%2x", &byte);
+        uuid->bytes[i] = (char)byte;
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult fake_cuDeviceGetUuid_v1(CUuuid *uuid, CUdevice dev) __asm__("cuDeviceGetUuid") EXPORT;
+CUresult fake_cuDeviceGetUuid_v1(CUuuid *uuid, CUdevice dev) { return cuDeviceGetUuid_v2(uuid, dev); }
+
 EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     config();
     if (!bytes) return CUDA_ERROR_INVALID_VALUE;
@@ -572,6 +592,8 @@ static const struct entry_point entry_points[] = {
     {"cuDeviceGetCount", 2000, 0, (void *)cuDeviceGetCount},
     {"cuDeviceGetName", 2000, 0, (void *)cuDeviceGetName},
     {"cuDeviceTotalMem", 3020, 0, (void *)cuDeviceTotalMem_v2},
+    {"cuDeviceGetUuid", 9020, 0, (void *)fake_cuDeviceGetUuid_v1},
+    {"cuDeviceGetUuid", 11040, 0, (void *)cuDeviceGetUuid_v2},
     {"cuDevicePrimaryCtxRetain", 7000, 0, (void *)cuDevicePrimaryCtxRetain},
     {"cuDevicePrimaryCtxRelease", 11000, 0, (void *)cuDevicePrimaryCtxRelease_v2},
     {"cuCtxSetCurrent", 4000, 0, (void *)cuCtxSetCurrent},

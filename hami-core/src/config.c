@@ -1,15 +1,22 @@
-/* Reads the environment contract once: memory limits per device and the
- * CUDA-ordinal -> device-index map from CUDA_VISIBLE_DEVICES. */
+/* Reads the limits once: from the node-written grant when it is mounted (devices by UUID),
+ * else from the environment contract (limits per device and the CUDA-ordinal -> device-index
+ * map from CUDA_VISIBLE_DEVICES). */
 #include <ctype.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include "vgpu.h"
 
 #define VGPU_UUID_TOKEN 96
+#define DEFAULT_STATE_PATH "/tmp/cudevshr.cache"
 
 static uint64_t limits[VGPU_MAX_DEVICES];
+static int granted;
+static struct vgpu_grant grant;
+/* Under a grant: CUDA ordinal -> accounting index, learnt from the device's UUID on first use. */
+static int ordinal_index[VGPU_MAX_DEVICES];
 static int visible_map[VGPU_MAX_DEVICES];
 static int visible_count = -1; /* -1: identity mapping */
 static pthread_once_t config_once = PTHREAD_ONCE_INIT;
@@ -160,8 +167,21 @@ static void resolve_uuids(void) {
     __atomic_store_n(&visible_count, -1, __ATOMIC_RELEASE);
 }
 
+/* Every device the grant names gets its limit; every other index stays closed (0). A grant
+ * that cannot be read leaves all of them closed. */
+static void read_grant(void) {
+    granted = 1;
+    for (int i = 0; i < VGPU_MAX_DEVICES; i++) ordinal_index[i] = -2;
+    if (vgpu_grant_load(&grant) != 0) grant.count = 0;
+    for (int i = 0; i < grant.count; i++) limits[i] = grant.devices[i].limit;
+}
+
 static void config_init_once(void) {
     vgpu_log_init();
+    if (vgpu_grant_mounted()) {
+        read_grant();
+        return;
+    }
     read_limits();
     read_visible_devices();
 }
@@ -177,8 +197,54 @@ int vgpu_config_any_limit(void) {
     return 0;
 }
 
+int vgpu_config_granted(void) {
+    vgpu_config_init();
+    return granted;
+}
+
+const char *vgpu_config_uuid(int idx) { return granted && idx < grant.count ? grant.devices[idx].uuid : ""; }
+
+const char *vgpu_config_state_path(void) {
+    vgpu_config_init();
+    if (granted) return VGPU_GRANT_STATE_FILE;
+    const char *p = getenv("CUDA_DEVICE_MEMORY_SHARED_CACHE");
+    return p && *p ? p : DEFAULT_STATE_PATH;
+}
+
+/* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as NVML and nvidia-smi spell it. */
+static void format_uuid(const CUuuid *uuid, char *out, size_t cap) {
+    const unsigned char *b = (const unsigned char *)uuid->bytes;
+    snprintf(out, cap, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2],
+             b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+}
+
+/* The device's place in the grant, by the UUID the driver gives it: which device the tenant
+ * made ordinal 0 (CUDA_VISIBLE_DEVICES, in-process or not) changes nothing. */
+static int granted_index(CUdevice ordinal) {
+    CUuuid uuid;
+    char text[VGPU_UUID_LEN];
+    if (!vgpu_cuda.cuDeviceGetUuid || vgpu_cuda.cuDeviceGetUuid(&uuid, ordinal) != CUDA_SUCCESS) return VGPU_CLOSED_INDEX;
+    format_uuid(&uuid, text, sizeof text);
+    int idx = vgpu_config_index_of_uuid(text);
+    if (idx == VGPU_CLOSED_INDEX)
+        vgpu_log(VGPU_LOG_ERROR, "device %s is not in the grant %s; allocations on it will fail", text, VGPU_GRANT_FILE);
+    return idx;
+}
+
+int vgpu_config_index_of_uuid(const char *uuid) {
+    for (int i = 0; i < grant.count; i++)
+        if (strcasecmp(grant.devices[i].uuid, uuid) == 0) return i;
+    return VGPU_CLOSED_INDEX;
+}
+
 int vgpu_config_index(CUdevice ordinal) {
     if (ordinal < 0) return -1;
+    if (granted) {
+        if (ordinal >= VGPU_MAX_DEVICES) return VGPU_CLOSED_INDEX;
+        int idx = __atomic_load_n(&ordinal_index[ordinal], __ATOMIC_ACQUIRE);
+        if (idx == -2) __atomic_store_n(&ordinal_index[ordinal], idx = granted_index(ordinal), __ATOMIC_RELEASE);
+        return idx;
+    }
     if (visible_tokens_count) pthread_once(&resolve_once, resolve_uuids);
     int count = __atomic_load_n(&visible_count, __ATOMIC_ACQUIRE);
     if (count < 0) return ordinal < VGPU_MAX_DEVICES ? ordinal : -1;

@@ -62,6 +62,9 @@ static void load_cuda_once(void) {
         vgpu_cuda.legacy_alloc = (vgpu_legacy_alloc_fn)vgpu_real_dlsym(cuda_handle, "cuMemAlloc");
         vgpu_cuda.cuCtxGetDevice =
             (__typeof__(vgpu_cuda.cuCtxGetDevice))vgpu_real_dlsym(cuda_handle, "cuCtxGetDevice");
+        void *uuid = vgpu_real_dlsym(cuda_handle, "cuDeviceGetUuid_v2");
+        vgpu_cuda.cuDeviceGetUuid =
+            (__typeof__(vgpu_cuda.cuDeviceGetUuid))(uuid ? uuid : vgpu_real_dlsym(cuda_handle, "cuDeviceGetUuid"));
     }
     loading_depth--;
 }

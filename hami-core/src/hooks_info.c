@@ -34,11 +34,15 @@ VGPU_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     return rc;
 }
 
-/* NVML reports per NVML index, which is the ledger's index. Also records the device's
- * UUID in the shared file, for monitoring. */
+/* NVML reports per NVML index, which is the ledger's index (under a grant: the device's place
+ * in it, by UUID). Also records the device's UUID in the shared file, for monitoring. */
 static int nvml_index(nvmlDevice_t device) {
     unsigned int index;
     char uuid[96];
+    if (vgpu_config_granted())
+        return vgpu_nvml.nvmlDeviceGetUUID && vgpu_nvml.nvmlDeviceGetUUID(device, uuid, sizeof uuid) == NVML_SUCCESS
+                   ? vgpu_config_index_of_uuid(uuid)
+                   : VGPU_CLOSED_INDEX;
     if (!vgpu_nvml.nvmlDeviceGetIndex || vgpu_nvml.nvmlDeviceGetIndex(device, &index) != NVML_SUCCESS ||
         index >= VGPU_MAX_DEVICES)
         return -1;

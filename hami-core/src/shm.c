@@ -18,7 +18,6 @@
 #include "shm_layout.h"
 #include "vgpu.h"
 
-#define DEFAULT_PATH "/tmp/cudevshr.cache"
 /* How long a rebuild waits for live processes to finish the operation they are in. A
  * process stopped mid-operation (SIGSTOP, debugger) makes the rebuild give up, not hang. */
 #define DRAIN_TIMEOUT_NS 500000000ull
@@ -32,13 +31,15 @@ static int shm_fd = -1;
 static int reopen_needed;
 static char path_buf[4096]; /* captured at attach: the fork handler must not call getenv */
 static int shm_state = VGPU_SHM_OFF;
+static int granted; /* captured at attach */
 static pthread_mutex_t shm_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t shm_once = PTHREAD_ONCE_INIT;
 
-static const char *shm_path(void) {
-    if (path_buf[0]) return path_buf;
-    const char *p = getenv("CUDA_DEVICE_MEMORY_SHARED_CACHE");
-    return p && *p ? p : DEFAULT_PATH;
+static const char *shm_path(void) { return path_buf[0] ? path_buf : vgpu_config_state_path(); }
+
+/* Under a grant its limits bound every reservation: the file is the tenant's to rewrite. */
+static uint64_t limit_of(struct vgpu_shm_device *dev, int idx) {
+    return granted ? vgpu_config_limit(idx) : __atomic_load_n(&dev->limit, __ATOMIC_RELAXED);
 }
 
 /* The structural lock covers the header only: slot ranges carry the liveness locks. */
@@ -79,7 +80,7 @@ static void leave(struct vgpu_shm_slot *slot, struct vgpu_shm_device *dev) {
 static int try_reserve(struct vgpu_shm_slot *slot, int idx, uint64_t bytes) {
     struct vgpu_shm_device *dev = &shm->devices[idx];
     if (!enter(slot)) return FROZEN;
-    uint64_t limit = __atomic_load_n(&dev->limit, __ATOMIC_RELAXED);
+    uint64_t limit = limit_of(dev, idx);
     uint64_t cur = __atomic_load_n(&dev->used, __ATOMIC_RELAXED);
     do {
         if (bytes > limit || cur > limit - bytes) {
@@ -253,7 +254,10 @@ static int header_valid(void) {
 
 static void initialise_file(void) {
     memset(shm, 0, sizeof *shm);
-    for (int d = 0; d < VGPU_SHM_DEVICES; d++) shm->devices[d].limit = vgpu_config_limit(d);
+    for (int d = 0; d < VGPU_SHM_DEVICES; d++) {
+        shm->devices[d].limit = vgpu_config_limit(d);
+        snprintf(shm->devices[d].uuid, VGPU_SHM_UUID_LEN, "%s", vgpu_config_uuid(d));
+    }
     shm->header.version = VGPU_SHM_VERSION;
     shm->header.file_size = sizeof(struct vgpu_shm_file);
     shm->header.device_slots = VGPU_SHM_DEVICES;
@@ -262,7 +266,28 @@ static void initialise_file(void) {
     __atomic_store_n(&shm->header.magic, VGPU_SHM_MAGIC, __ATOMIC_RELEASE);
 }
 
+/* Under a grant, limits in the file other than the grant's are the tenant's doing: the grant
+ * is put back (readers such as the node agent then see the truth) and applies anyway. */
+static void restore_granted_limits(void) {
+    for (int d = 0; d < VGPU_SHM_DEVICES; d++) {
+        if (shm->devices[d].limit == vgpu_config_limit(d)) continue;
+        vgpu_log(VGPU_LOG_WARN, "%s: device %d limit %llu is not the grant's %llu (tampered); the grant applies",
+                 shm_path(), d, (unsigned long long)shm->devices[d].limit, (unsigned long long)vgpu_config_limit(d));
+        begin_write();
+        for (int i = 0; i < VGPU_SHM_DEVICES; i++) {
+            __atomic_store_n(&shm->devices[i].limit, vgpu_config_limit(i), __ATOMIC_RELAXED);
+            snprintf(shm->devices[i].uuid, VGPU_SHM_UUID_LEN, "%s", vgpu_config_uuid(i));
+        }
+        end_write();
+        return;
+    }
+}
+
 static void warn_if_limits_differ(void) {
+    if (granted) {
+        restore_granted_limits();
+        return;
+    }
     for (int d = 0; d < VGPU_SHM_DEVICES; d++) {
         if (shm->devices[d].limit == vgpu_config_limit(d)) continue;
         vgpu_log(VGPU_LOG_WARN, "memory limits in the environment differ from %s (device %d: %llu there); "
@@ -335,6 +360,7 @@ static void after_fork_in_child(void) {
  * limit to enforce: otherwise making the path unusable would escape the shared limit. */
 static void attach_once(void) {
     vgpu_config_init();
+    granted = vgpu_config_granted();
     snprintf(path_buf, sizeof path_buf, "%s", shm_path());
     int fd = open(shm_path(), O_RDWR | O_CREAT | O_CLOEXEC, 0666);
     if (fd < 0) {
@@ -436,7 +462,7 @@ uint64_t vgpu_shm_used(int idx, int refresh) {
     return __atomic_load_n(&shm->devices[idx].used, __ATOMIC_ACQUIRE);
 }
 
-uint64_t vgpu_shm_limit(int idx) { return __atomic_load_n(&shm->devices[idx].limit, __ATOMIC_RELAXED); }
+uint64_t vgpu_shm_limit(int idx) { return limit_of(&shm->devices[idx], idx); }
 
 void vgpu_shm_set_uuid(int idx, const char *uuid) {
     if (strncmp(shm->devices[idx].uuid, uuid, VGPU_SHM_UUID_LEN - 1) == 0 || lock_shared() != 0) return;

@@ -35,8 +35,41 @@ void vgpu_config_init(void);
 uint64_t vgpu_config_limit(int idx);
 /* 1 when the environment limits (or closes) any device. */
 int vgpu_config_any_limit(void);
-/* Maps a CUDA ordinal to the accounting (NVML) index, or -1 when out of range. */
+/* Maps a CUDA ordinal to the accounting index (the NVML index; under a grant, the device's
+ * place in the grant, found by its UUID), or -1 when out of range. */
 int vgpu_config_index(CUdevice ordinal);
+/* 1 under a node-written grant: its limits bound every reservation, whatever the file says. */
+int vgpu_config_granted(void);
+/* The UUID the grant names for accounting index idx ("" when none). */
+const char *vgpu_config_uuid(int idx);
+/* Under a grant: the accounting index of the device with this UUID (VGPU_CLOSED_INDEX if none). */
+int vgpu_config_index_of_uuid(const char *uuid);
+/* The shared accounting file's path. */
+const char *vgpu_config_state_path(void);
+
+/* ---- grant.c: the node-written grant (shared/grant.py writes it) ---- */
+#define VGPU_GRANT_DIR "/etc/kai-isolator"
+#define VGPU_GRANT_FILE VGPU_GRANT_DIR "/grant.json"
+/* Under a grant the accounting file is the webhook's fixed per-container state mount. */
+#define VGPU_GRANT_STATE_FILE "/run/kai-isolator/usage.cache"
+/* The last accounting index is never granted: devices outside the grant are charged there. */
+#define VGPU_GRANT_MAX_DEVICES (VGPU_MAX_DEVICES - 1)
+#define VGPU_CLOSED_INDEX (VGPU_MAX_DEVICES - 1)
+#define VGPU_UUID_LEN 96
+struct vgpu_grant_device {
+    char uuid[VGPU_UUID_LEN];
+    uint64_t limit;
+};
+struct vgpu_grant {
+    int count;
+    struct vgpu_grant_device devices[VGPU_GRANT_MAX_DEVICES];
+};
+/* 1 when the grant directory is mounted (then the environment carries no limits). */
+int vgpu_grant_mounted(void);
+/* Parses grant.json text; 0 on success. */
+int vgpu_grant_parse(const char *text, size_t len, struct vgpu_grant *grant);
+/* Waits (bounded) for grant.json and parses it; 0 on success, -1 (logged) to fail closed. */
+int vgpu_grant_load(struct vgpu_grant *grant);
 
 /* ---- ledger.c: per-device usage against the limit ---- */
 int vgpu_ledger_reserve(int idx, uint64_t bytes);
@@ -95,6 +128,7 @@ struct vgpu_cuda_real {
     vgpu_getproc_v1_fn getproc_v1; /* "cuGetProcAddress": cuda.h macro-renames that name */
     vgpu_legacy_alloc_fn legacy_alloc; /* "cuMemAlloc" */
     __typeof__(cuCtxGetDevice) *cuCtxGetDevice;
+    __typeof__(cuDeviceGetUuid) *cuDeviceGetUuid; /* _v2 where the driver has it */
 };
 
 struct vgpu_nvml_real {

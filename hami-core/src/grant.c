@@ -1,0 +1,210 @@
+/* The node-written grant: when /etc/kai-isolator is mounted, limits, devices and the
+ * accounting file come from its grant.json (root-owned, read-only), never from the
+ * environment the tenant controls. A grant that never appears or does not parse closes
+ * every device. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include "vgpu.h"
+
+#define GRANT_MAX_BYTES 65536
+#define DEFAULT_WAIT_S 30
+#define POLL_NS 100000000L
+
+int vgpu_grant_mounted(void) {
+    struct stat st;
+    return stat(VGPU_GRANT_DIR, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+/* ---- a strict reader for the one JSON shape shared/grant.py writes ---- */
+
+struct reader {
+    const char *p, *end;
+};
+
+static void skip_ws(struct reader *r) {
+    while (r->p < r->end && (*r->p == ' ' || *r->p == '\t' || *r->p == '\n' || *r->p == '\r')) r->p++;
+}
+
+static int expect(struct reader *r, char c) {
+    skip_ws(r);
+    if (r->p >= r->end || *r->p != c) return -1;
+    r->p++;
+    return 0;
+}
+
+static int peek(struct reader *r, char c) {
+    skip_ws(r);
+    return r->p < r->end && *r->p == c;
+}
+
+/* A string into out (escapes other than \" and \\ are kept verbatim: no field we read has them). */
+static int read_string(struct reader *r, char *out, size_t cap) {
+    if (expect(r, '"') != 0) return -1;
+    size_t n = 0;
+    while (r->p < r->end && *r->p != '"') {
+        char c = *r->p++;
+        if ((unsigned char)c < 0x20) return -1;
+        if (c == '\\') {
+            if (r->p >= r->end) return -1;
+            c = *r->p++;
+        }
+        if (out && n + 1 < cap) out[n] = c;
+        if (out && n + 1 >= cap) return -1;
+        n++;
+    }
+    if (out) out[n < cap ? n : cap - 1] = '\0';
+    return expect(r, '"');
+}
+
+static int read_u64(struct reader *r, uint64_t *value) {
+    skip_ws(r);
+    uint64_t v = 0;
+    const char *start = r->p;
+    while (r->p < r->end && *r->p >= '0' && *r->p <= '9') {
+        unsigned digit = (unsigned)(*r->p++ - '0');
+        if (v > (UINT64_MAX - digit) / 10) return -1;
+        v = v * 10 + digit;
+    }
+    if (r->p == start || (r->p < r->end && (*r->p == '.' || *r->p == 'e' || *r->p == 'E'))) return -1;
+    *value = v;
+    return 0;
+}
+
+static int skip_value(struct reader *r, int depth);
+
+static int skip_container(struct reader *r, char open, char close, int depth) {
+    if (expect(r, open) != 0 || depth > 8) return -1;
+    if (peek(r, close)) return expect(r, close);
+    do {
+        if (open == '{' && (read_string(r, NULL, 0) != 0 || expect(r, ':') != 0)) return -1;
+        if (skip_value(r, depth + 1) != 0) return -1;
+    } while (peek(r, ',') && expect(r, ',') == 0);
+    return expect(r, close);
+}
+
+static int skip_value(struct reader *r, int depth) {
+    skip_ws(r);
+    if (r->p >= r->end) return -1;
+    switch (*r->p) {
+        case '"': return read_string(r, NULL, 0);
+        case '{': return skip_container(r, '{', '}', depth);
+        case '[': return skip_container(r, '[', ']', depth);
+        default:
+            while (r->p < r->end && strchr("+-.0123456789eEtruefalsn", *r->p)) r->p++;
+            return 0;
+    }
+}
+
+/* {"uuid": "GPU-…", "limit_bytes": N} in any order; both required, nothing else. */
+static int read_device(struct reader *r, struct vgpu_grant_device *device) {
+    int have_uuid = 0, have_limit = 0;
+    if (expect(r, '{') != 0) return -1;
+    do {
+        char key[32];
+        if (read_string(r, key, sizeof key) != 0 || expect(r, ':') != 0) return -1;
+        if (strcmp(key, "uuid") == 0 && !have_uuid) {
+            if (read_string(r, device->uuid, sizeof device->uuid) != 0 || !device->uuid[0]) return -1;
+            have_uuid = 1;
+        } else if (strcmp(key, "limit_bytes") == 0 && !have_limit) {
+            if (read_u64(r, &device->limit) != 0 || device->limit == 0) return -1;
+            have_limit = 1;
+        } else {
+            return -1;
+        }
+    } while (peek(r, ',') && expect(r, ',') == 0);
+    return expect(r, '}') == 0 && have_uuid && have_limit ? 0 : -1;
+}
+
+static int read_devices(struct reader *r, struct vgpu_grant *grant) {
+    if (expect(r, '[') != 0) return -1;
+    if (peek(r, ']')) return -1; /* a grant of nothing is not a grant */
+    do {
+        if (grant->count >= VGPU_GRANT_MAX_DEVICES || read_device(r, &grant->devices[grant->count]) != 0) return -1;
+        for (int i = 0; i < grant->count; i++)
+            if (strcasecmp(grant->devices[i].uuid, grant->devices[grant->count].uuid) == 0) return -1;
+        grant->count++;
+    } while (peek(r, ',') && expect(r, ',') == 0);
+    return expect(r, ']');
+}
+
+int vgpu_grant_parse(const char *text, size_t len, struct vgpu_grant *grant) {
+    struct reader r = {text, text + len};
+    uint64_t version = 0;
+    int have_devices = 0;
+    memset(grant, 0, sizeof *grant);
+    if (expect(&r, '{') != 0) return -1;
+    if (!peek(&r, '}')) {
+        do {
+            char key[32];
+            if (read_string(&r, key, sizeof key) != 0 || expect(&r, ':') != 0) return -1;
+            if (strcmp(key, "version") == 0) {
+                if (read_u64(&r, &version) != 0) return -1;
+            } else if (strcmp(key, "devices") == 0 && !have_devices) {
+                if (read_devices(&r, grant) != 0) return -1;
+                have_devices = 1;
+            } else if (skip_value(&r, 0) != 0) {
+                return -1;
+            }
+        } while (peek(&r, ',') && expect(&r, ',') == 0);
+    }
+    if (expect(&r, '}') != 0) return -1;
+    skip_ws(&r);
+    return r.p == r.end && version == 1 && have_devices ? 0 : -1;
+}
+
+/* ---- reading it, waiting for the node agent when it is not there yet ---- */
+
+static long wait_seconds(void) {
+    /* The tenant may shorten or lengthen its own wait; either way the outcome is fail-closed. */
+    const char *text = getenv("VGPU_GRANT_WAIT_SECONDS");
+    char *end;
+    long v = text && *text ? strtol(text, &end, 10) : DEFAULT_WAIT_S;
+    if (text && *text && (*end || v < 0 || v > 3600)) {
+        vgpu_log(VGPU_LOG_WARN, "VGPU_GRANT_WAIT_SECONDS=\"%s\" is not 0..3600; waiting %d s", text, DEFAULT_WAIT_S);
+        v = DEFAULT_WAIT_S;
+    }
+    return v;
+}
+
+static ssize_t read_file(const char *path, char *buf, size_t cap) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) return -1;
+    size_t n = 0;
+    ssize_t got;
+    while (n < cap && (got = read(fd, buf + n, cap - n)) != 0) {
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) {
+            close(fd);
+            return -1;
+        }
+        n += (size_t)got;
+    }
+    close(fd);
+    return (ssize_t)n;
+}
+
+int vgpu_grant_load(struct vgpu_grant *grant) {
+    static char buf[GRANT_MAX_BYTES + 1];
+    long waited_ns = 0, limit_ns = wait_seconds() * 1000000000L;
+    ssize_t n;
+    while ((n = read_file(VGPU_GRANT_FILE, buf, sizeof buf)) < 0 && errno == ENOENT && waited_ns < limit_ns) {
+        nanosleep(&(struct timespec){.tv_nsec = POLL_NS}, NULL);
+        waited_ns += POLL_NS;
+    }
+    if (n < 0) {
+        vgpu_log(VGPU_LOG_ERROR, "no grant at %s after %ld s (%s); every allocation will fail", VGPU_GRANT_FILE,
+                 waited_ns / 1000000000L, strerror(errno));
+        return -1;
+    }
+    if ((size_t)n > GRANT_MAX_BYTES || vgpu_grant_parse(buf, (size_t)n, grant) != 0) {
+        vgpu_log(VGPU_LOG_ERROR, "the grant %s is malformed; every allocation will fail", VGPU_GRANT_FILE);
+        return -1;
+    }
+    return 0;
+}
