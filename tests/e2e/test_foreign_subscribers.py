@@ -102,20 +102,18 @@ def expected_line(verdict: HealthVerdict) -> str:
             f"container={verdict.container} verdict={verdict.verdict} reasons={reasons}")
 
 
-async def su_session_degrades(chain) -> None:  # type: ignore[no-untyped-def]
-    """A `su -` style process without the limit in its environment makes a verified pod degraded."""
-    pod = await chain.demo.create(demo_pod("su-session", {}))
+async def tampering_degrades(chain) -> None:  # type: ignore[no-untyped-def]
+    """A process that zeroes its container's accounting totals makes a verified pod degraded."""
+    pod = await chain.demo.create(demo_pod("tamperer", {}))
     await chain.demo.scheduled(pod)
     container = await chain.demo.start(pod)
     await chain.demo.verdict(pod, "verified")
-    session = await container.spawn(["sh", "-c", "env -i sleep 60; :"])
-    try:
-        verifier = chain.ctx.values["verifier"]
-        [tracked] = [p for p in await verifier.tracked_pods() if p.pod.name == "su-session"]
-        await verifier.verify(tracked)
-        await chain.bus.wait_for("the degraded verdict", lambda e: isinstance(e, HealthVerdict) and e.pod.name == "su-session" and e.verdict == "degraded")
-    finally:
-        await session.kill()
+    zero_totals = "import os; f = os.open('/run/kai-isolator/usage.cache', os.O_WRONLY); [os.pwrite(f, bytes(8), 72 + 128 * d) for d in range(16)]"
+    await container.exec(["python3", "-c", zero_totals])
+    verifier = chain.ctx.values["verifier"]
+    [tracked] = [p for p in await verifier.tracked_pods() if p.pod.name == "tamperer"]
+    await verifier.verify(tracked)
+    await chain.bus.wait_for("the degraded verdict", lambda e: isinstance(e, HealthVerdict) and e.pod.name == "tamperer" and e.verdict == "degraded")
 
 
 async def publish_foreign_messages(url: str) -> None:
@@ -150,7 +148,7 @@ async def test_node_and_go_subscribers_validate_and_print_every_verdict_of_the_d
     go.start()
     await go.ready()
     await chain.demo.pod_admitted_while_webhook_down()  # 3. missing, with a Warning event
-    await su_session_degrades(chain)  # 4. verified, then degraded (limit-env-missing)
+    await tampering_degrades(chain)  # 4. verified, then degraded (usage-cache-tampered)
 
     published = verdicts(chain)
     assert [v.verdict for v in published] == ["verified", "missing", "missing", "verified", "degraded"]

@@ -78,6 +78,15 @@ def admit(pod: Obj, config: InjectionConfig | None = None) -> Obj:
     return jsonpatch.apply_patch(pod, patch)
 
 
+def without_grant(pod: Obj) -> Obj:
+    """The pod without our grant volume and mounts: what the environment contract alone gives."""
+    stripped = json.loads(json.dumps(pod))
+    stripped["spec"]["volumes"] = [v for v in stripped["spec"].get("volumes") or [] if v.get("name") != GRANT_VOLUME]
+    for spec in stripped["spec"].get("containers") or []:
+        spec["volumeMounts"] = [m for m in spec.get("volumeMounts") or [] if m.get("name") != GRANT_VOLUME]
+    return stripped
+
+
 def kai_bind(pod: Obj, limit: str, container: str = "main") -> tuple[Obj, dict[str, dict[str, str]]]:
     """What KAI adds at binding: the limit env from a ConfigMap its binder writes, and the node."""
     bound = json.loads(json.dumps(pod))
@@ -260,14 +269,16 @@ class SimNode:
                 "FAKE_CUDA_TOTAL_MIB": str(self.gpu_total_mib)}
 
     async def start(self, pod: Obj, argv: list[str] | None = None, *, limit: str = "1g", container: str = "main",
-                    grant: bool = True) -> Container:
-        """Admit `pod`, bind it with `limit`, write its grant if the webhook mounts one, and start
-        `container` running `argv` (by default a process that idles, for attacks run with `exec`)."""
-        admitted = admit(pod)
+                    grant: bool = True, grant_written: bool = True) -> Container:
+        """Admit `pod`, bind it with `limit`, write its grant, and start `container` running `argv`
+        (by default a process that idles, for attacks run with `exec`). `grant=False` takes the grant
+        mount out again (the environment contract alone, as with HAMi-core); `grant_written=False`
+        leaves the mounted grant directory empty (the node agent has not written it)."""
+        admitted = admit(pod) if grant else without_grant(admit(pod))
         bound, configmaps = kai_bind(admitted, limit, container)
         bound["status"] = {"phase": "Running"}
         spec = next(c for c in bound["spec"]["containers"] if c["name"] == container)
-        if grant and any(v.get("name") == GRANT_VOLUME for v in bound["spec"].get("volumes") or []):
+        if grant and grant_written:
             self.write_grant(bound, container, limit)
         process = await start_container(
             bound, spec, argv or ["sleep", "infinity"], configmaps=configmaps, host_root=self.root,

@@ -54,14 +54,15 @@ async def test_a_preload_remounted_from_a_user_namespace_is_not_the_nodes(node: 
     assert blocked_or_detected(container, GIB, "preload-mismatch", "process-without-library") == "detected"
 
 
-async def test_an_entrypoint_that_clears_its_environment_is_still_found_and_judged(node: SimNode, tmp_path: Path) -> None:
+@pytest.mark.parametrize("grant", [True, False], ids=["grant", "env-only"])
+async def test_an_entrypoint_that_clears_its_environment_is_still_found_and_judged(node: SimNode, tmp_path: Path, grant: bool) -> None:
     # `exec env -i ...` as the container's entrypoint: no process carries POD_UID or any limit.
     # Only the node's driver stays reachable (the real one needs no environment), and the
     # accounting file is one of its own.
     cleared = ["env", "-i", *(f"{k}={v}" for k, v in node.driver_env.items()),
                f"CUDA_DEVICE_MEMORY_SHARED_CACHE={tmp_path / 'own.cache'}",
                str(CUPROBE), "init", "ctx", "0", "alloc", str(GIB + 512 * MIB), *HOLD]
-    container = await node.start(gpu_pod("env-cleared"), cleared, limit="1g")
+    container = await node.start(gpu_pod("env-cleared"), cleared, limit="1g", grant=grant)
     line = await container.process.read_line()
     while not line.startswith("alloc "):
         line = await container.process.read_line()
@@ -69,12 +70,13 @@ async def test_an_entrypoint_that_clears_its_environment_is_still_found_and_judg
 
     reply = container.inspect(with_container_id=False)  # the verifier knows only the pod uid and the name
     assert reply.found and container.process.pid in [p.pid for p in reply.processes]
-    judgement = container.judge(reply)
-    assert judgement.verdict != "verified"
-    if " rc=0" in line:  # the library had no limit to enforce: the verdict says so
-        assert blocked_or_detected(container, GIB, "limit-env-missing") == "detected"
-    else:
+    if grant:  # the library obeys the node's grant, whatever the environment lost
+        assert " rc=2" in line, line  # CUDA_ERROR_OUT_OF_MEMORY
         assert blocked_or_detected(container, GIB) == "blocked"
+        assert container.judge(reply).verdict == "verified"
+    else:  # no grant mount: the limit left with the environment, and the verdict says so
+        assert " rc=0" in line, line
+        assert blocked_or_detected(container, GIB, "limit-env-missing") == "detected"
 
 
 TAMPERING = {
