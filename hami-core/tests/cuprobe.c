@@ -337,6 +337,9 @@ static int run(char **argv, int argc, int i) {
     const char *c = argv[i];
     int left = argc - i - 1;
 #define ARG(k) argv[i + (k)]
+    /* In-process environment changes, as a tenant's own code makes them before its first CUDA call. */
+    if (!strcmp(c, "setenv") && left >= 2) return printf("setenv rc=%d\n", setenv(ARG(1), ARG(2), 1)), 3;
+    if (!strcmp(c, "unsetenv") && left >= 1) return printf("unsetenv rc=%d\n", unsetenv(ARG(1))), 2;
     if (!strcmp(c, "init")) return printf("init rc=%d\n", (int)api.init(0)), 1;
     if (!strcmp(c, "ctx") && left >= 1) return printf("ctx rc=%d\n", (int)make_current((int)num(ARG(1)))), 2;
     if (!strcmp(c, "noctx")) return printf("noctx rc=%d\n", (int)api.set_current(NULL)), 1;
