@@ -572,6 +572,59 @@ EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *handle, const CUDA_ARRA
     return create_array((void **)handle, bytes);
 }
 
+/* ---- graphs and pools: enough for the memory they hold ----
+ * The real driver maps a graph's allocation node when the graph is launched; the fake charges
+ * it when the node is added (it has no launches), so what a graph holds is counted as soon as
+ * it exists. A pool's release threshold is accepted and, like the real one, changes nothing
+ * the ledger shows until memory is freed into the pool. */
+
+EXPORT CUresult cuGraphCreate(CUgraph *graph, unsigned int flags) {
+    config();
+    if (!graph || flags) return CUDA_ERROR_INVALID_VALUE;
+    *graph = (CUgraph)(uintptr_t)new_address(1);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph graph, const CUgraphNode *deps, size_t ndeps,
+                                       CUDA_MEM_ALLOC_NODE_PARAMS *params) {
+    (void)deps;
+    (void)ndeps;
+    if (!node || !graph || !params) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = alloc_on_current(&params->dptr, params->bytesize);
+    if (rc == CUDA_SUCCESS) *node = (CUgraphNode)(uintptr_t)params->dptr;
+    return rc;
+}
+
+static CUresult add_node(CUgraphNode *node, CUgraph graph, CUgraphNodeParams *params) {
+    if (!node || !graph || !params) return CUDA_ERROR_INVALID_VALUE;
+    if (params->type != CU_GRAPH_NODE_TYPE_MEM_ALLOC) return CUDA_ERROR_NOT_SUPPORTED; /* the fake runs no kernels */
+    CUresult rc = alloc_on_current(&params->alloc.dptr, params->alloc.bytesize);
+    if (rc == CUDA_SUCCESS) *node = (CUgraphNode)(uintptr_t)params->alloc.dptr;
+    return rc;
+}
+
+EXPORT CUresult cuGraphAddNode_v2(CUgraphNode *node, CUgraph graph, const CUgraphNode *deps,
+                                  const CUgraphEdgeData *edges, size_t ndeps, CUgraphNodeParams *params) {
+    (void)deps;
+    (void)edges;
+    (void)ndeps;
+    return add_node(node, graph, params);
+}
+
+CUresult fake_cuGraphAddNode_v1(CUgraphNode *node, CUgraph graph, const CUgraphNode *deps, size_t ndeps,
+                                CUgraphNodeParams *params) __asm__("cuGraphAddNode") EXPORT;
+CUresult fake_cuGraphAddNode_v1(CUgraphNode *node, CUgraph graph, const CUgraphNode *deps, size_t ndeps,
+                                CUgraphNodeParams *params) {
+    (void)deps;
+    (void)ndeps;
+    return add_node(node, graph, params);
+}
+
+EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value) {
+    (void)attr;
+    return pool && value ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
 EXPORT CUresult cuArrayDestroy(CUarray handle) { return release((uintptr_t)handle); }
 
 EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray handle) { return release((uintptr_t)handle); }
@@ -618,6 +671,11 @@ static const struct entry_point entry_points[] = {
     {"cuArrayDestroy", 2000, 0, (void *)cuArrayDestroy},
     {"cuMipmappedArrayCreate", 5000, 0, (void *)cuMipmappedArrayCreate},
     {"cuMipmappedArrayDestroy", 5000, 0, (void *)cuMipmappedArrayDestroy},
+    {"cuGraphCreate", 10000, 0, (void *)cuGraphCreate},
+    {"cuGraphAddMemAllocNode", 11040, 0, (void *)cuGraphAddMemAllocNode},
+    {"cuGraphAddNode", 12020, 0, (void *)fake_cuGraphAddNode_v1},
+    {"cuGraphAddNode", 12030, 0, (void *)cuGraphAddNode_v2},
+    {"cuMemPoolSetAttribute", 11020, 0, (void *)cuMemPoolSetAttribute},
     {"cuGetProcAddress", 11030, 0, (void *)fake_cuGetProcAddress_v1},
     {"cuGetProcAddress", 12000, 0, (void *)cuGetProcAddress_v2},
 };

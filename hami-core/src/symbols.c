@@ -4,6 +4,7 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <string.h>
+#include <sys/stat.h>
 #include "vgpu.h"
 
 CUresult vgpu_getproc_v1_hook(const char *symbol, void **pfn, int version, cuuint64_t flags)
@@ -15,6 +16,7 @@ static const struct vgpu_symbol symbols[] = {
 #undef VGPU_ENTRY
     {"cuGetProcAddress", (void *)&vgpu_getproc_v1_hook, "cuGetProcAddress", 11030, 0, 0},
     {"cuMemAlloc", (void *)&vgpu_legacy_alloc_hook, "cuMemAlloc", 2000, 0, 0},
+    {"cuGraphAddNode", (void *)&vgpu_graph_add_node_v1_hook, "cuGraphAddNode", 12020, 0, 0},
 #define VGPU_ENTRY(name) {#name, (void *)&name, NULL, 0, 0, 1},
     VGPU_NVML_HOOKED(VGPU_ENTRY)
 #undef VGPU_ENTRY
@@ -52,11 +54,28 @@ static void *real_of(const struct vgpu_symbol *s) {
     return s->nvml ? vgpu_nvml_symbol(s->name) : vgpu_cuda_symbol(s->name);
 }
 
+static int same_file(const char *a, const char *b) {
+    struct stat sa, sb;
+    return a && b && stat(a, &sa) == 0 && stat(b, &sb) == 0 && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
+/* By the object the pointer lies in: a file with the driver's soname, or the very file our
+ * driver was loaded from (a copy under another name in another namespace is still it). */
+int vgpu_in_driver_copy(void *p, int nvml) {
+    Dl_info where, ours;
+    void *reference = nvml ? vgpu_nvml_symbol("nvmlInit_v2") : vgpu_cuda_symbol("cuInit");
+    if (!dladdr(p, &where) || !where.dli_fname) return 0;
+    const char *base = strrchr(where.dli_fname, '/');
+    base = base ? base + 1 : where.dli_fname;
+    if (strncmp(base, nvml ? "libnvidia-ml.so" : "libcuda.so", nvml ? 15 : 10) == 0) return 1;
+    return reference && dladdr(reference, &ours) && same_file(where.dli_fname, ours.dli_fname);
+}
+
 static __attribute__((noinline)) void *hooked_dlsym(void *handle, const char *name,
                                                     const struct vgpu_symbol *s) {
     void *p = vgpu_real_dlsym(handle, name);
     if (!p || p == s->hook || vgpu_loading()) return p;
-    return p == real_of(s) ? s->hook : p;
+    return p == real_of(s) || vgpu_in_driver_copy(p, s->nvml) ? s->hook : p;
 }
 
 /* Everything that is not a hook lookup goes straight to the real dlsym as a tail call, so

@@ -21,6 +21,10 @@ typedef CUresult (*vgpu_getproc_v1_fn)(const char *, void **, int, cuuint64_t);
 /* The legacy 32-bit cuMemAlloc (cuda.h macro-renames that name to cuMemAlloc_v2). */
 typedef CUresult (*vgpu_legacy_alloc_fn)(unsigned int *, unsigned int);
 CUresult vgpu_legacy_alloc_hook(unsigned int *dptr, unsigned int bytesize) __asm__("cuMemAlloc");
+/* cuGraphAddNode of CUDA 12.2, without edge data (cuda.h macro-renames that name to _v2). */
+typedef CUresult (*vgpu_graph_add_node_v1_fn)(CUgraphNode *, CUgraph, const CUgraphNode *, size_t, CUgraphNodeParams *);
+CUresult vgpu_graph_add_node_v1_hook(CUgraphNode *node, CUgraph graph, const CUgraphNode *deps, size_t ndeps,
+                                     CUgraphNodeParams *params) __asm__("cuGraphAddNode");
 
 /* ---- log.c ---- */
 enum { VGPU_LOG_ERROR = 0, VGPU_LOG_WARN = 2, VGPU_LOG_INFO = 3, VGPU_LOG_DEBUG = 4 };
@@ -117,7 +121,10 @@ void vgpu_track_after_fork(void);
     X(cuMipmappedArrayDestroy, "cuMipmappedArrayDestroy", 5000, 0)                       \
     X(cuMemGetInfo_v2, "cuMemGetInfo", 3020, 0)                                          \
     X(cuDeviceTotalMem_v2, "cuDeviceTotalMem", 3020, 0)                                  \
-    X(cuGetProcAddress_v2, "cuGetProcAddress", 12000, 0)
+    X(cuGetProcAddress_v2, "cuGetProcAddress", 12000, 0)                                \
+    X(cuGraphAddMemAllocNode, "cuGraphAddMemAllocNode", 11040, 0)                        \
+    X(cuGraphAddNode_v2, "cuGraphAddNode", 12030, 0)                                     \
+    X(cuMemPoolSetAttribute, "cuMemPoolSetAttribute", 11020, 0)
 
 #define VGPU_NVML_HOOKED(X) X(nvmlDeviceGetMemoryInfo) X(nvmlDeviceGetMemoryInfo_v2)
 
@@ -127,6 +134,7 @@ struct vgpu_cuda_real {
 #undef VGPU_FIELD
     vgpu_getproc_v1_fn getproc_v1; /* "cuGetProcAddress": cuda.h macro-renames that name */
     vgpu_legacy_alloc_fn legacy_alloc; /* "cuMemAlloc" */
+    vgpu_graph_add_node_v1_fn graph_add_node_v1; /* "cuGraphAddNode" */
     __typeof__(cuCtxGetDevice) *cuCtxGetDevice;
     __typeof__(cuDeviceGetUuid) *cuDeviceGetUuid; /* _v2 where the driver has it */
 };
@@ -167,5 +175,10 @@ void *vgpu_hook_for_procaddr(const char *symbol, void *resolved, int version, cu
 /* ---- hooks_mem.c ---- */
 /* Accounting index of the calling thread's current context, or a CUresult (< 0 => error). */
 CUresult vgpu_current_index(int *idx);
+
+/* ---- symbols.c ---- */
+/* 1 when p lies in a copy of the driver (or NVML) other than the one we forward to: another
+ * dlmopen namespace, or the same file loaded again. */
+int vgpu_in_driver_copy(void *p, int nvml);
 
 #endif

@@ -42,6 +42,10 @@ struct api {
     __typeof__(cuMemGetInfo_v2) *info;
     __typeof__(cuDeviceTotalMem_v2) *total_mem;
     __typeof__(cuGetProcAddress_v2) *getproc;
+    __typeof__(cuGraphCreate) *graph_create;
+    __typeof__(cuGraphAddMemAllocNode) *graph_alloc;
+    __typeof__(cuGraphAddNode_v2) *graph_add_node;
+    __typeof__(cuMemPoolSetAttribute) *pool_set;
 };
 
 enum kind { K_NONE, K_PTR, K_ASYNC, K_VMM, K_ARRAY, K_MIPMAP };
@@ -61,7 +65,8 @@ static void link_api(void) {
                        cuMemAllocManaged, cuMemAllocPitch_v2, cuMemAllocAsync, cuMemAllocFromPoolAsync,
                        cuMemFreeAsync, cuMemCreate, cuMemRelease, cuArrayCreate_v2, cuArray3DCreate_v2,
                        cuArrayDestroy, cuMipmappedArrayCreate, cuMipmappedArrayDestroy, cuMemGetInfo_v2,
-                       cuDeviceTotalMem_v2, cuGetProcAddress_v2};
+                       cuDeviceTotalMem_v2, cuGetProcAddress_v2, cuGraphCreate, cuGraphAddMemAllocNode,
+                       cuGraphAddNode_v2, cuMemPoolSetAttribute};
 }
 
 #define LOOKUP(field, name) api.field = (__typeof__(api.field))find(name)
@@ -100,6 +105,10 @@ static void lookup_api(void *(*find)(const char *)) {
     LOOKUP(mipmap_destroy, "cuMipmappedArrayDestroy");
     LOOKUP(info, "cuMemGetInfo_v2");
     LOOKUP(total_mem, "cuDeviceTotalMem_v2");
+    LOOKUP(graph_create, "cuGraphCreate");
+    LOOKUP(graph_alloc, "cuGraphAddMemAllocNode");
+    LOOKUP(graph_add_node, "cuGraphAddNode_v2");
+    LOOKUP(pool_set, "cuMemPoolSetAttribute");
 }
 
 static int setup_api(const char *path) {
@@ -107,10 +116,11 @@ static int setup_api(const char *path) {
         link_api();
         return 0;
     }
-    cuda = dlopen("libcuda.so.1", RTLD_NOW);
+    /* dlmopen: a second copy of the driver in a namespace of its own, where no preload applies. */
+    cuda = strcmp(path, "dlmopen") == 0 ? dlmopen(LM_ID_NEWLM, "libcuda.so.1", RTLD_NOW) : dlopen("libcuda.so.1", RTLD_NOW);
     if (!cuda) return -1;
     api.getproc = (__typeof__(api.getproc))dlsym(cuda, "cuGetProcAddress_v2");
-    if (strcmp(path, "dlsym") == 0) {
+    if (strcmp(path, "dlsym") == 0 || strcmp(path, "dlmopen") == 0) {
         lookup_api(dlsym_find);
         return 0;
     }
@@ -257,6 +267,27 @@ static CUDA_ARRAY3D_DESCRIPTOR desc3d(size_t w, size_t h, size_t d) {
     return desc;
 }
 
+/* A graph holding one memory allocation node, added by the dedicated call or the generic one. */
+static void cmd_graph_alloc(unsigned long long size, int generic) {
+    CUgraph graph = NULL;
+    CUgraphNode node = NULL;
+    CUresult rc = api.graph_create(&graph, 0);
+    CUdeviceptr ptr = 0;
+    if (rc == CUDA_SUCCESS && !generic) {
+        CUDA_MEM_ALLOC_NODE_PARAMS params = {.bytesize = size};
+        params.poolProps.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+        params.poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        rc = api.graph_alloc(&node, graph, NULL, 0, &params);
+        ptr = params.dptr;
+    } else if (rc == CUDA_SUCCESS) {
+        CUgraphNodeParams params = {.type = CU_GRAPH_NODE_TYPE_MEM_ALLOC};
+        params.alloc.bytesize = size;
+        rc = api.graph_add_node(&node, graph, NULL, NULL, 0, &params);
+        ptr = params.alloc.dptr;
+    }
+    report_alloc(generic ? "graphnode" : "graphalloc", size, rc, K_PTR, ptr);
+}
+
 static void cmd_info(void) {
     size_t free_b = 0, total_b = 0;
     CUresult rc = api.info(&free_b, &total_b);
@@ -340,6 +371,12 @@ static int run(char **argv, int argc, int i) {
     /* In-process environment changes, as a tenant's own code makes them before its first CUDA call. */
     if (!strcmp(c, "setenv") && left >= 2) return printf("setenv rc=%d\n", setenv(ARG(1), ARG(2), 1)), 3;
     if (!strcmp(c, "unsetenv") && left >= 1) return printf("unsetenv rc=%d\n", unsetenv(ARG(1))), 2;
+    if (!strcmp(c, "graphalloc") && left >= 1) return cmd_graph_alloc(num(ARG(1)), 0), 2;
+    if (!strcmp(c, "graphnode") && left >= 1) return cmd_graph_alloc(num(ARG(1)), 1), 2;
+    if (!strcmp(c, "poolthreshold") && left >= 1) {
+        cuuint64_t threshold = num(ARG(1));
+        return printf("poolthreshold rc=%d\n", (int)api.pool_set((CUmemoryPool)(uintptr_t)1, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &threshold)), 2;
+    }
     if (!strcmp(c, "init")) return printf("init rc=%d\n", (int)api.init(0)), 1;
     if (!strcmp(c, "ctx") && left >= 1) return printf("ctx rc=%d\n", (int)make_current((int)num(ARG(1)))), 2;
     if (!strcmp(c, "noctx")) return printf("noctx rc=%d\n", (int)api.set_current(NULL)), 1;

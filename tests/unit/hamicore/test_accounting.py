@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vgpu_harness import MIB, probe
+from vgpu_harness import GIB_BYTES, MIB, probe
 
 LIMIT = 4147 * MIB
 PATHS = ["link", "dlsym", "procaddr"]
@@ -154,3 +154,32 @@ def test_race_workload_does_exceed_the_limit_without_the_library() -> None:
     result = probe("race", "8", "3000", "100000000", "fake", "0", preload=False,
                    env={"CUDA_DEVICE_MEMORY_LIMIT": "1g"})
     assert int(result.fields("fake")["peak"]) > 1 << 30
+
+
+UNCOUNTABLE = [("graphalloc", str(MIB)), ("graphnode", str(MIB)), ("poolthreshold", str(GIB_BYTES))]
+
+
+@pytest.mark.parametrize("path", ["link", "dlsym", "procaddr"])
+@pytest.mark.parametrize("command", UNCOUNTABLE, ids=[c for c, _ in UNCOUNTABLE])
+def test_memory_the_library_cannot_count_is_refused_under_a_limit(command: tuple[str, str], path: str) -> None:
+    result = probe(*command, "fake", "0", env={"CUDA_DEVICE_MEMORY_LIMIT": "1g"}, path=path)
+    assert result.rcs(command[0]) == [801]  # CUDA_ERROR_NOT_SUPPORTED, before the driver is called
+    assert result.fields("fake")["peak"] == "0"
+
+
+@pytest.mark.parametrize("command", UNCOUNTABLE, ids=[c for c, _ in UNCOUNTABLE])
+def test_memory_the_library_cannot_count_is_the_drivers_without_a_limit(command: tuple[str, str]) -> None:
+    assert probe(*command).rcs(command[0]) == [0]
+
+
+def test_a_pool_may_always_return_to_releasing_at_once() -> None:
+    assert probe("poolthreshold", "0", env={"CUDA_DEVICE_MEMORY_LIMIT": "1g"}).rcs("poolthreshold") == [0]
+
+
+def test_dlsym_on_a_driver_copy_in_another_namespace_gets_the_hook() -> None:
+    # dlmopen(LM_ID_NEWLM) loads a second libcuda where no preload applies; dlsym on it still hands
+    # out the hook, which forwards to our own driver copy (no context current there: nothing allocated).
+    result = probe("alloc", str(2 * GIB_BYTES), "fake", "0", env={"CUDA_DEVICE_MEMORY_LIMIT": "1g"}, path="dlmopen")
+    assert result.rcs("alloc") != [0] and result.fields("fake")["peak"] == "0"
+    unhooked = probe("alloc", str(2 * GIB_BYTES), env={"CUDA_DEVICE_MEMORY_LIMIT": "1g"}, path="dlmopen", preload=False)
+    assert unhooked.rcs("alloc") == [0]  # the copy itself allocates: the hook is what stops it
