@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,7 +84,8 @@ static int try_reserve(struct vgpu_shm_slot *slot, int idx, uint64_t bytes) {
     uint64_t limit = limit_of(dev, idx);
     uint64_t cur = __atomic_load_n(&dev->used, __ATOMIC_RELAXED);
     do {
-        if (bytes > limit || cur > limit - bytes) {
+        /* A total below what this process alone holds was rewritten: the locked path recounts it. */
+        if (bytes > limit || cur > limit - bytes || cur < __atomic_load_n(&slot->used[idx], __ATOMIC_RELAXED)) {
             __atomic_fetch_sub(&slot->inflight, 1, __ATOMIC_RELEASE);
             return NO_FIT;
         }
@@ -181,14 +183,15 @@ static int drain(unsigned char *dead) {
  * exact whatever moment the dead died at; only then are dead slots cleared, so each step
  * can be redone. A rebuilder that dies leaves `frozen` set and the next lock holder
  * rebuilds again; one that times out leaves totals that still count the dead (safe). */
-static int rebuild(void) {
+static int rebuild(int audit) {
     static unsigned char dead[VGPU_SHM_SLOTS]; /* under the file lock and shm_lock */
+    static int tamper_reported;
     int count = 0;
     for (int s = 0; s < VGPU_SHM_SLOTS; s++) count += dead[s] = (unsigned char)slot_dead(&shm->slots[s]);
-    if (count == 0 && !__atomic_load_n(&shm->header.frozen, __ATOMIC_ACQUIRE)) return 0;
+    if (count == 0 && !audit && !__atomic_load_n(&shm->header.frozen, __ATOMIC_ACQUIRE)) return 0;
     __atomic_store_n(&shm->header.frozen, 1, __ATOMIC_SEQ_CST);
     begin_write();
-    int drained = drain(dead) == 0;
+    int drained = drain(dead) == 0, hidden = 0;
     if (drained) {
         uint64_t totals[VGPU_SHM_DEVICES] = {0};
         count = 0;
@@ -198,8 +201,17 @@ static int rebuild(void) {
             for (int d = 0; d < VGPU_SHM_DEVICES; d++)
                 totals[d] += __atomic_load_n(&shm->slots[s].used[d], __ATOMIC_ACQUIRE);
         }
-        for (int d = 0; d < VGPU_SHM_DEVICES; d++)
+        /* A crash can leave a total above the sum of the slots (a charge half applied), never
+         * below it: a total below what live processes hold was rewritten behind our back. */
+        for (int d = 0; d < VGPU_SHM_DEVICES; d++) {
+            uint64_t was = __atomic_load_n(&shm->devices[d].used, __ATOMIC_RELAXED);
+            if (was < totals[d] && !tamper_reported++)
+                vgpu_log(VGPU_LOG_WARN, "%s: device %d total %llu bytes is below the %llu its live processes hold "
+                         "(tampered); recounted from the processes", shm_path(), d, (unsigned long long)was,
+                         (unsigned long long)totals[d]);
+            hidden += was < totals[d];
             __atomic_store_n(&shm->devices[d].used, totals[d], __ATOMIC_RELAXED);
+        }
         for (int s = 0; s < VGPU_SHM_SLOTS; s++)
             if (dead[s]) memset(&shm->slots[s], 0, sizeof shm->slots[s]);
     } else {
@@ -208,7 +220,7 @@ static int rebuild(void) {
     }
     end_write();
     __atomic_store_n(&shm->header.frozen, 0, __ATOMIC_SEQ_CST);
-    return drained ? count : 0;
+    return drained ? count + hidden : 0;
 }
 
 /* ---- slots ---- */
@@ -221,13 +233,14 @@ static struct vgpu_shm_slot *free_slot(void) {
 
 static struct vgpu_shm_slot *register_slot(void) {
     my_pid = getpid();
+    rebuild(1); /* a newcomer trusts no total it did not see being made */
     for (int s = 0; s < VGPU_SHM_SLOTS; s++)
         if (shm->slots[s].pid == my_pid) { /* left by the image we exec'd from */
-            rebuild();
+            rebuild(0);
             break;
         }
     struct vgpu_shm_slot *slot = free_slot();
-    if (!slot && rebuild() > 0) slot = free_slot();
+    if (!slot && rebuild(0) > 0) slot = free_slot();
     if (!slot) return NULL;
     struct flock fl = slot_range(slot, F_WRLCK);
     if (fcntl(shm_fd, F_OFD_SETLK, &fl) != 0) { /* a free slot nobody should hold */
@@ -302,18 +315,34 @@ static int fail(int fd, const char *what) {
     return VGPU_SHM_BROKEN;
 }
 
+/* Slot locks are the kernel's, not the file's: a file that looks new while some process still
+ * holds a slot lock was wiped under it, and what those processes hold cannot be recounted. */
+static int slots_locked(int fd) {
+    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = (off_t)offsetof(struct vgpu_shm_file, slots),
+                       .l_len = (off_t)sizeof(((struct vgpu_shm_file *)0)->slots)};
+    return fcntl(fd, F_OFD_GETLK, &fl) != 0 || fl.l_type != F_UNLCK;
+}
+
 static int map_file(int fd) {
     struct stat st;
     if (fstat(fd, &st) != 0) return fail(fd, "cannot be read");
     if (!S_ISREG(st.st_mode)) return fail(fd, "is not a regular file");
     int fresh = st.st_size == 0;
+    if (fresh && slots_locked(fd)) return fail(fd, "was truncated while its processes hold memory (tampered)");
     if (fresh && (ftruncate(fd, sizeof(struct vgpu_shm_file)) != 0 || fchmod(fd, 0666) != 0))
         return fail(fd, "cannot be sized");
     if (!fresh && st.st_size != (off_t)sizeof(struct vgpu_shm_file)) return fail(fd, "has the wrong size (corrupt or foreign)");
     void *p = mmap(NULL, sizeof(struct vgpu_shm_file), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) return fail(fd, "cannot be mapped");
     shm = p;
-    if (shm->header.magic == 0 && shm->header.version == 0) initialise_file(); /* new, or creator died */
+    if (shm->header.magic == 0 && shm->header.version == 0) { /* new, creator died, or wiped */
+        if (!fresh && slots_locked(fd)) {
+            munmap(p, sizeof(struct vgpu_shm_file));
+            shm = NULL;
+            return fail(fd, "was wiped while its processes hold memory (tampered)");
+        }
+        initialise_file();
+    }
     if (!header_valid()) {
         munmap(p, sizeof(struct vgpu_shm_file));
         shm = NULL;
@@ -384,7 +413,7 @@ static void attach_once(void) {
     shm_fd = fd;
     pthread_mutex_lock(&shm_lock);
     my_pid = getpid();
-    rebuild(); /* finishes the work of a rebuilder that died, if any */
+    rebuild(0); /* finishes the work of a rebuilder that died, if any */
     pthread_mutex_unlock(&shm_lock);
     file_lock(fd, F_UNLCK);
     pthread_atfork(NULL, NULL, after_fork_in_child);
@@ -405,7 +434,7 @@ static int lock_shared(void) {
         return -1;
     }
     if (!my_pid) my_pid = getpid();
-    if (__atomic_load_n(&shm->header.frozen, __ATOMIC_ACQUIRE)) rebuild(); /* its rebuilder died */
+    if (__atomic_load_n(&shm->header.frozen, __ATOMIC_ACQUIRE)) rebuild(0); /* its rebuilder died */
     return 0;
 }
 
@@ -433,7 +462,7 @@ static int reserve_locked(int idx, uint64_t bytes) {
         return 0;
     }
     int r = try_reserve(slot, idx, bytes);
-    if (r != FIT && rebuild() > 0) r = try_reserve(slot, idx, bytes);
+    if (r != FIT && rebuild(1) > 0) r = try_reserve(slot, idx, bytes);
     return r == FIT;
 }
 
@@ -456,7 +485,7 @@ void vgpu_shm_release(int idx, uint64_t bytes) {
 /* Readers that report usage first drop dead processes, so freed memory shows as free. */
 uint64_t vgpu_shm_used(int idx, int refresh) {
     if (refresh && lock_shared() == 0) {
-        rebuild();
+        rebuild(0);
         unlock_shared();
     }
     return __atomic_load_n(&shm->devices[idx].used, __ATOMIC_ACQUIRE);
