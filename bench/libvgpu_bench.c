@@ -9,13 +9,14 @@
 
 static long pairs;
 static size_t size;
-static pthread_barrier_t start;
+static pthread_barrier_t ready, go;
 
 static void *worker(void *arg) {
     CUcontext ctx;
     int *failed = arg;
     if (cuDevicePrimaryCtxRetain(&ctx, 0) != CUDA_SUCCESS || cuCtxSetCurrent(ctx) != CUDA_SUCCESS) *failed = 1;
-    pthread_barrier_wait(&start);
+    pthread_barrier_wait(&ready);
+    pthread_barrier_wait(&go);
     for (long i = 0; i < pairs && !*failed; i++) {
         CUdeviceptr p;
         if (cuMemAlloc_v2(&p, size) != CUDA_SUCCESS || cuMemFree_v2(p) != CUDA_SUCCESS) *failed = 1;
@@ -40,10 +41,12 @@ int main(int argc, char **argv) {
     if (threads < 1 || threads > 256 || pairs < 1 || cuInit(0) != CUDA_SUCCESS) return 2;
     pthread_t tid[256];
     int failed[256] = {0};
-    pthread_barrier_init(&start, NULL, (unsigned)threads + 1);
+    pthread_barrier_init(&ready, NULL, (unsigned)threads + 1);
+    pthread_barrier_init(&go, NULL, (unsigned)threads + 1);
     for (int i = 0; i < threads; i++) pthread_create(&tid[i], NULL, worker, &failed[i]);
-    pthread_barrier_wait(&start);
-    double t0 = now_ns();
+    pthread_barrier_wait(&ready); /* every worker has its context and waits at `go` */
+    double t0 = now_ns();          /* read before any worker can start its first pair */
+    pthread_barrier_wait(&go);
     for (int i = 0; i < threads; i++) pthread_join(tid[i], NULL);
     double elapsed = now_ns() - t0;
     for (int i = 0; i < threads; i++)
