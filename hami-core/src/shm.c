@@ -84,8 +84,7 @@ static int try_reserve(struct vgpu_shm_slot *slot, int idx, uint64_t bytes) {
     uint64_t limit = limit_of(dev, idx);
     uint64_t cur = __atomic_load_n(&dev->used, __ATOMIC_RELAXED);
     do {
-        /* A total below what this process alone holds was rewritten: the locked path recounts it. */
-        if (bytes > limit || cur > limit - bytes || cur < __atomic_load_n(&slot->used[idx], __ATOMIC_RELAXED)) {
+        if (bytes > limit || cur > limit - bytes) {
             __atomic_fetch_sub(&slot->inflight, 1, __ATOMIC_RELEASE);
             return NO_FIT;
         }
