@@ -157,11 +157,35 @@ class PodIsolation(Payload):
         return f"pod:{self.pod.uid}:{self.resource_version}:{self.state}"
 
 
-Verdict = Literal["verified", "degraded", "missing"]
+Verdict = Literal["verified", "degraded", "missing", "breached"]
+BreachAction = Literal["killed", "evicted", "warned"]
+
+
+class BreachedProcess(BaseModel):
+    """A process of a breaching container as the driver reported it, and what was done to it."""
+
+    model_config = ConfigDict(frozen=True)
+    pid: int = Field(gt=0, description="host PID")
+    used_bytes: int = Field(ge=0, description="device memory the driver says it holds")
+    killed: bool = False
+
+
+class Breach(BaseModel):
+    """A container above its grant on one device, measured by the driver (NVML), and the action taken."""
+
+    model_config = ConfigDict(frozen=True)
+    breach_id: str = Field(description="one breach, one id: equal on every report of it")
+    device_uuid: str
+    grant_bytes: int = Field(ge=0)
+    tolerance_bytes: int = Field(ge=0, description="allowance for the driver's per-context reservations")
+    measured_bytes: int = Field(ge=0)
+    processes: list[BreachedProcess] = Field(default_factory=list)
+    action: BreachAction
+    action_ok: bool = Field(True, description="the action was carried out (an eviction the API refused is not)")
 
 
 class HealthVerdict(Payload):
-    """The verifier's finding for one container at one observation."""
+    """A finding for one container at one observation: the verifier's, or the node agent's `breached`."""
 
     TYPES = ("io.kai-isolator.health.verdict.v1",)
     pod: PodRef
@@ -171,6 +195,7 @@ class HealthVerdict(Payload):
     reasons: list[Reason] = Field(default_factory=list)
     observation: str = Field(description="digest of what was observed; the same observation is never re-emitted")
     observed_at: datetime = Field(default_factory=utcnow)
+    breach: Breach | None = Field(None, description="set on `breached`: what the driver showed and what the node agent did")
 
     def subject(self) -> str:
         return subjects.health(self.pod.namespace, self.pod.name)
@@ -197,6 +222,9 @@ class NodeStatus(Payload):
     self_check: Literal["passed", "failed", "not-run"] = Field("not-run", description="outcome of the last self-check")
     self_check_at: datetime | None = Field(None, description="when the last self-check ran")
     problems: list[str] = Field(default_factory=list)
+    enforcer: Literal["off", "enforcing", "blind"] = Field(
+        "off", description="enforcing: the driver's view (NVML) is complete; blind: NVML is missing or failing, nothing is acted on")
+    enforcer_problem: str = Field("", description="what keeps the enforcer from holding containers to their grants, if anything")
 
     def subject(self) -> str:
         return subjects.node_status(self.node_name)
@@ -209,7 +237,7 @@ class NodeStatus(Payload):
 
 
 class UsageReport(Payload):
-    """GPU memory use of one container, read from its usage cache."""
+    """GPU memory use of one container: from the driver (NVML) when the node agent sees it, else its usage cache."""
 
     TYPES = ("io.kai-isolator.usage.report.v1",)
     pod: PodRef
@@ -218,6 +246,8 @@ class UsageReport(Payload):
     devices: list[DeviceUsage] = Field(default_factory=list)
     processes: list[ProcessUsage] = Field(default_factory=list)
     sampled_at: datetime = Field(default_factory=utcnow)
+    source: Literal["driver", "usage-cache"] = Field("usage-cache", description="where used_bytes comes from")
+    reasons: list[Reason] = Field(default_factory=list, description="e.g. usage-cache-disagrees: the cache is not what the driver shows")
 
     def subject(self) -> str:
         return subjects.usage(self.pod.namespace, self.pod.name)
@@ -345,6 +375,8 @@ class ProcessReport(BaseModel):
     library_not_ours: str | None = Field(None, description="path of a mapped file named like the library that is not the node's")
     memory_limit_env: str | None = None
     grant_mounted: bool | None = Field(None, description="sees the node's grant dir at /etc/kai-isolator; None: not checked")
+    device_memory_bytes: int | None = Field(None, ge=0, description="device memory the driver (NVML) says it holds, all devices; "
+                                                                      "None: the driver's view is unavailable")
 
 
 class InspectReply(Payload):
@@ -358,6 +390,7 @@ class InspectReply(Payload):
     installed_version: str | None = None
     message: str = ""
     usage_cache_tampered: list[str] = Field(default_factory=list, description="what shows the accounting file was tampered with")
+    driver_view: bool = Field(False, description="device_memory_bytes of each process comes from the driver (NVML)")
 
 
 class InstallRequest(Payload):

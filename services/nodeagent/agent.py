@@ -1,5 +1,6 @@
 """The node agent service: answers inspect and install requests for its node, keeps the
-library installed and self-checked, and reports status and per-container usage."""
+library installed and self-checked, holds every container to its grant from the driver's
+view (the enforcer), and reports status and per-container usage."""
 
 from __future__ import annotations
 
@@ -9,24 +10,26 @@ import logging
 import time
 from collections.abc import Iterable
 
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kai_isolator.shared import subjects
+from kai_isolator.shared import kube_events, subjects
 from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.errors import BusError, ConfigError, IsolatorError
 from kai_isolator.shared.events import (
-    InspectReply, InspectRequest, InstallReply, InstallRequest, NodeStatus, PodIsolation, PodRef, UsageReport,
+    Breach, DeviceUsage, InspectReply, InspectRequest, InstallReply, InstallRequest, NodeStatus, PodIsolation, PodRef, ProcessUsage, Reason,
+    UsageReport,
 )
 from kai_isolator.shared.settings import BusSettings
 
-from . import grants, install, observe
+from . import enforce, grants, install, nvml, observe
 from .layout import HostLayout
 from .settings import NODE_BUCKET, NodeAgentSettings
 
 log = logging.getLogger(__name__)
 SERVICE = "nodeagent"
+COMPONENT = "kai-isolator-nodeagent"
 _LABELS = ["zone", "namespace", "pod", "container", "vdevice_index", "device_uuid"]
 
 
@@ -73,11 +76,28 @@ class NodeAgent:
         self._loops: list[asyncio.Task[None]] = []
         self.grant_root = settings.host_root / settings.grant_dir.lstrip("/")
         self.grants: grants.GrantKeeper | None = None
+        self.api: object | None = None
+        registry = self.runtime.metrics.registry
+        self.breaches = Counter("kai_isolator_breaches", "Containers found above their grant by the driver's view, by action",
+                                ["namespace", "pod", "container", "action"], registry=registry)
+        self.nvml_up = Gauge("kai_isolator_nvml_up", "1 while the enforcer's last NVML poll was complete", registry=registry)
+        self.unattributed = Gauge("kai_isolator_gpu_processes_unattributed", "Processes holding device memory outside any "
+                                  "GPU-sharing container the agent knows (reported, never touched)", registry=registry)
+        self.poll_seconds = Histogram("kai_isolator_enforcer_poll_seconds", "One enforcer round: NVML snapshot, attribution, "
+                                      "comparison, action", registry=registry, buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
+        self._nvml: nvml.Nvml | None = None
+        self.enforcer: enforce.Enforcer | None = None
+        if settings.enforce:
+            self.enforcer = enforce.Enforcer(
+                self._snapshot, enforce.KnownPods(self.grant_root, self._known_pods), self._report_breach, proc_root=settings.proc_root,
+                on_breach=settings.on_breach, tolerance_bytes=settings.breach_tolerance_mib << 20, evict=self._evict)
+            self.runtime.add_readiness_check(self._enforcer_problem)
 
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self, url: str) -> None:
         api = await grants.api_client(self.settings.kubeconfig)  # a broken configuration stops the agent before it serves
+        self.api = api
         await self.runtime.start(url)
         if self.settings.install_on_start and self.default_version and install.active_version(self.layout) is None:
             async with self._lock:
@@ -89,10 +109,13 @@ class NodeAgent:
             asyncio.create_task(self._every(self.settings.usage_interval_s, self.report_usage), name="usage"),
         ]
         if api is None:
-            log.warning("no Kubernetes API (no --kubeconfig, not in a cluster): no grants are written", extra={"node": self.node})
+            log.warning("no Kubernetes API (no --kubeconfig, not in a cluster): no grants are written, no container is enforced",
+                        extra={"node": self.node})
         else:
             self.grants = grants.GrantKeeper(api, self.node, self.grant_root, self.runtime.publish)
             self._loops.append(asyncio.create_task(self.grants.run(), name="grants"))
+        if self.enforcer is not None:
+            self._loops.append(asyncio.create_task(self._enforce(), name="enforcer"))
 
     async def stop(self) -> None:
         for task in self._loops:
@@ -101,6 +124,8 @@ class NodeAgent:
                 await task
         if self.grants is not None:
             await self.grants.close()
+        if self._nvml is not None:
+            self._nvml.close()
         await self.runtime.stop()
 
     async def _every(self, period: float, action: object) -> None:
@@ -128,7 +153,8 @@ class NodeAgent:
             active_version=state.active_version, installed_versions=state.installed_versions,
             container_vgpu_mount=self.layout.mount, gpu_count=state.gpu_count, message=self.last_check.message,
             self_check="passed" if self.last_check.passed else "failed", self_check_at=self.last_check.at,
-            problems=state.problems,
+            problems=state.problems, enforcer_problem=self._enforcer_problem() or "",
+            enforcer="off" if self.enforcer is None else "enforcing" if self.enforcer.healthy else "blind",
         )
         try:
             await self.runtime.kv(NODE_BUCKET).put(self.node, report.model_dump_json().encode())
@@ -157,10 +183,11 @@ class NodeAgent:
     async def on_inspect(self, request: InspectRequest) -> InspectReply:
         active = install.active_version(self.layout)
         try:
-            return await asyncio.wait_for(
+            reply = await asyncio.wait_for(
                 asyncio.to_thread(observe.reply_to, self.layout, self.settings.proc_root, request, self.node, active),
                 self.settings.inspect_timeout_s,
             )
+            return enforce.with_driver_view(reply, self._driver_memory())
         except asyncio.TimeoutError:
             return InspectReply(node_name=self.node, pod=request.pod, container=request.container, found=False, installed_version=active,
                                 message=f"inspection took longer than {self.settings.inspect_timeout_s}s")
@@ -175,13 +202,127 @@ class NodeAgent:
             self.pods[event.pod.uid] = event.pod
 
     async def report_usage(self) -> list[UsageReport]:
+        """Per-container usage: from the driver's view when the enforcer has a fresh complete one (the
+        usage.cache then only flags itself when it disagrees), else from the usage.cache."""
         scanned = await asyncio.to_thread(observe.scan_usage, self.layout)
-        rows = [(self.pods[u.pod_uid], u) for u in scanned if u.pod_uid in self.pods]
+        poll = self.enforcer.last if self.enforcer is not None else None
+        fresh = enforce.driver_memory(poll, self._fresh_s()) is not None
+        reports: list[UsageReport] = []
+        rows: list[tuple[PodRef, observe.ContainerUsage]] = []
+        if fresh and poll is not None:
+            for pod, usage, reasons in driver_usage(poll, scanned, self.pods, self.settings.breach_tolerance_mib << 20):
+                rows.append((pod, usage))
+                reports.append(UsageReport(pod=pod, node_name=self.node, container=usage.container, devices=usage.devices,
+                                           processes=usage.processes, source="driver", reasons=reasons))
+        else:
+            rows = [(self.pods[u.pod_uid], u) for u in scanned if u.pod_uid in self.pods]
+            reports = [UsageReport(pod=pod, node_name=self.node, container=u.container, devices=u.devices, processes=u.processes) for pod, u in rows]
         self.usage.rows = rows
-        reports = [UsageReport(pod=pod, node_name=self.node, container=u.container, devices=u.devices, processes=u.processes) for pod, u in rows]
         for report in reports:
             try:
                 await self.runtime.publish(report)
             except BusError as error:
                 log.warning("could not publish usage", extra={"node": self.node, "error": str(error)})
         return reports
+
+    # --- the enforcer ----------------------------------------------------------------------
+
+    def _snapshot(self) -> nvml.DriverSnapshot:
+        """Runs in a worker thread. NVML is loaded on first use and again after a failed load (a
+        driver installed after the agent started), so one missing library never needs a restart."""
+        if self._nvml is None:
+            self._nvml = nvml.Nvml(self.settings.nvml_library)
+        return self._nvml.snapshot()
+
+    def _known_pods(self) -> dict[str, dict[str, object]]:
+        return {uid: tracked.pod for uid, tracked in self.grants.pods.items()} if self.grants is not None else {}
+
+    def _fresh_s(self) -> float:
+        return 3 * self.settings.enforce_interval_s + 1
+
+    def _driver_memory(self) -> dict[int, int] | None:
+        return enforce.driver_memory(self.enforcer.last if self.enforcer is not None else None, self._fresh_s())
+
+    def _enforcer_problem(self) -> str | None:
+        """What keeps the enforcer from acting, for /readyz and the node status; None while it sees everything."""
+        if self.enforcer is None:
+            return None
+        last = self.enforcer.last
+        if last is None:
+            return "enforcer: no NVML poll yet"
+        if not last.ok:
+            return f"enforcer blind, nothing is enforced: {last.error}"
+        if self.api is None:
+            return "enforcer: no Kubernetes API, so no container can be attributed or enforced"
+        return None
+
+    async def _enforce(self) -> None:
+        assert self.enforcer is not None
+        reported = ""
+        while True:
+            began = time.monotonic()
+            try:
+                poll = await self.enforcer.poll()
+                self.nvml_up.set(1 if poll.ok else 0)
+                self.unattributed.set(len({u.pid for u in poll.unattributed}))
+                self.poll_seconds.observe(poll.seconds)
+                if poll.error != reported:  # say it once, when it starts and when it changes
+                    (log.error if poll.error else log.info)("enforcer: %s", poll.error or "NVML answers; enforcing", extra={"node": self.node})
+                    reported = poll.error
+            except Exception:  # noqa: BLE001 - the enforcer must keep running
+                log.exception("enforcer round failed", extra={"node": self.node})
+            await asyncio.sleep(max(0.0, self.settings.enforce_interval_s - (time.monotonic() - began)))
+
+    async def _report_breach(self, target: enforce.Target, breach: Breach) -> None:
+        """One breach, told once: the `breached` verdict, the IsolationBreached Event, the counter."""
+        self.breaches.labels(target.pod.namespace, target.pod.name, target.container, breach.action).inc()
+        log.warning("isolation breached", extra={"node": self.node, "pod": f"{target.pod.namespace}/{target.pod.name}",
+                                                  "container": target.container, "device": breach.device_uuid, "action": breach.action,
+                                                  "measured_bytes": breach.measured_bytes, "grant_bytes": breach.grant_bytes})
+        try:
+            await self.runtime.publish(enforce.verdict(self.node, target, breach))
+        except BusError as error:
+            log.warning("could not publish the breach verdict", extra={"node": self.node, "error": str(error)})
+        if self.api is not None:
+            await kube_events.post_event(self.api, target.pod, reason="IsolationBreached", kind="Warning",  # type: ignore[arg-type]
+                                         message=enforce.event_message(target, breach), key=f"breach-{breach.breach_id}",
+                                         component=COMPONENT, container=target.container)
+
+    async def _evict(self, pod: PodRef) -> bool:
+        if self.api is None:
+            return False
+        return await kube_events.evict(self.api, pod)  # type: ignore[arg-type]
+
+
+def driver_usage(poll: enforce.Poll, scanned: list[observe.ContainerUsage], pods: dict[str, PodRef],
+                 tolerance_per_process: int) -> list[tuple[PodRef, observe.ContainerUsage, list[Reason]]]:
+    """Each container's usage from the driver's view, with `usage-cache-disagrees` where its usage.cache
+    shows more than the driver holds, or the driver holds more than the cache plus context reservations."""
+    caches = {(u.pod_uid, u.container): u for u in scanned}
+    found: dict[tuple[str, str], tuple[PodRef, dict[str, enforce.Measure]]] = {}
+    for measure in poll.measures:
+        found.setdefault(measure.target.key, (measure.target.pod, {}))[1][measure.device_uuid] = measure
+    rows = []
+    for key, (pod, measures) in found.items():
+        devices, processes, reasons = [], [], []
+        cache = caches.get(key)
+        for index, uuid in enumerate(poll.devices):
+            measure = measures.get(uuid)
+            if measure is None:
+                continue
+            devices.append(DeviceUsage(index=index, uuid=uuid, limit_bytes=measure.limit_bytes, used_bytes=measure.used_bytes))
+            processes += [ProcessUsage(pid=p.identity.pid, device=index, used_bytes=p.used_bytes or 0) for p in measure.processes]
+            cached = sum(d.used_bytes for d in (cache.devices if cache else []) if d.uuid == uuid or (not d.uuid and d.index == index))
+            if cached > measure.used_bytes or measure.used_bytes > cached + tolerance_per_process * len(measure.processes):
+                reasons.append(Reason(code="usage-cache-disagrees", message=f"device {uuid}: usage.cache shows {cached} bytes, "
+                                                                            f"the driver {measure.used_bytes}"))
+        rows.append((pod, observe.ContainerUsage(key[0], key[1], devices, processes), reasons))
+    # Containers the driver shows nothing for, whose cache claims memory: the cache is wrong.
+    for key, cache in caches.items():
+        if key in found or key[0] not in pods:
+            continue
+        held = sum(d.used_bytes for d in cache.devices)
+        reasons = [Reason(code="usage-cache-disagrees", message=f"usage.cache shows {held} bytes, the driver none")] if held else []
+        devices = [d.model_copy(update={"used_bytes": 0}) for d in cache.devices]
+        rows.append((pods[key[0]], observe.ContainerUsage(key[0], key[1], devices, []), reasons))
+    return rows

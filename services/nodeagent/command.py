@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kai_isolator.shared.bus import wait_for_signal
 from kai_isolator.shared.embedded_nats import bus_url
-from kai_isolator.shared.settings import BusSettings, ProbeSettings, load
+from kai_isolator.shared.settings import BusSettings, ProbeSettings, load, parse_duration
 
 from . import install
 from .agent import NodeAgent
@@ -32,6 +32,15 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--usage-interval-s", type=float, help="usage scan period (default 15)")
     parser.add_argument("--grant-dir", help="host directory of per-container grants, under --host-root (default /var/lib/kai-isolator/grants)")
     parser.add_argument("--kubeconfig", type=Path, help="kubeconfig for reading this node's pods, their ConfigMaps and the node (default: in-cluster)")
+    parser.add_argument("--enforce", action=argparse.BooleanOptionalAction, default=None,
+                        help="hold containers to their grants from the driver's view (default on; --no-enforce turns it off)")
+    parser.add_argument("--enforce-interval", dest="enforce_interval_s", type=parse_duration,
+                        help="NVML poll period of the enforcer, e.g. 1s or 500ms (default 1s)")
+    parser.add_argument("--on-breach", choices=["kill", "evict", "warn"],
+                        help="what a container over its grant gets: kill its biggest processes (default), evict the pod, or warn")
+    parser.add_argument("--breach-tolerance-mib", type=int,
+                        help="allowed over the grant per process and device, for the driver's context reservations (default 512)")
+    parser.add_argument("--nvml-library", help="NVML library the enforcer loads (default libnvidia-ml.so.1)")
     parser.add_argument("--probe-listen", help="HOST:PORT for /healthz, /readyz, /metrics (default 0.0.0.0:8081)")
     actions = parser.add_subparsers(dest="action", metavar="ACTION")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import posixpath
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -11,7 +12,9 @@ from kai_isolator.shared import subjects
 from kai_isolator.shared.contract import DEFAULT_GRANT_DIR
 from kai_isolator.shared.settings import _Settings
 
+from .enforce import DEFAULT_TOLERANCE_MIB
 from .layout import DEFAULT_MOUNT
+from .nvml import DEFAULT_LIBRARY
 
 NODE_BUCKET = subjects.NODE_STATUS_BUCKET
 """KV bucket: node name -> the agent's latest NodeStatus (the installer reads it too)."""
@@ -32,6 +35,13 @@ class NodeAgentSettings(_Settings):
     self_check_command: list[str] | None = Field(None, description="probe run with LD_PRELOAD=libvgpu.so; default: check /proc/self/maps")
     grant_dir: str = Field(DEFAULT_GRANT_DIR, description="host directory of per-container grants (under --host-root); the webhook mounts it read-only")
     kubeconfig: Path | None = Field(None, description="kubeconfig for reading this node's pods; unset = in-cluster service account")
+    enforce: bool = Field(True, description="hold every GPU-sharing container to its grant from the driver's view (NVML)")
+    enforce_interval_s: float = Field(1.0, gt=0, le=60, description="how often the enforcer reads every process's device memory from NVML")
+    on_breach: Literal["kill", "evict", "warn"] = Field("kill", description="kill the container's biggest processes until it is under "
+                                                                            "its grant, evict the pod, or only report")
+    breach_tolerance_mib: int = Field(DEFAULT_TOLERANCE_MIB, ge=0, description="allowed per process and device over the grant, for what "
+                                                                              "the driver reserves per context (NVML counts it, the library does not)")
+    nvml_library: str = Field(DEFAULT_LIBRARY, min_length=1, description="the NVML library the enforcer loads (soname or path)")
 
     @field_validator("grant_dir")
     @classmethod

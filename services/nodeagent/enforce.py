@@ -1,0 +1,430 @@
+"""The enforcer: holds every GPU-sharing container on the node to its grant from the driver's own view
+(NVML, host PIDs, kubelet cgroups), whatever the container does in process; kills, evicts or warns on a breach.
+
+Each poll takes one complete snapshot of the driver's per-process device memory, attributes every host
+PID to (pod, container) by its kubelet cgroup (never by anything the process can change), sums per
+container and device, and compares with the node-written grant plus an allowance for the driver's
+per-context reservations. A container over for `polls_to_breach` consecutive complete polls is a
+breach, acted on once. A poll that is not complete (NVML failing, a figure withheld) acts on nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from kai_isolator.shared.cgroups import ContainerCgroup, container_id_from_status, container_of_pid
+from kai_isolator.shared.errors import ConfigError
+from kai_isolator.shared.events import Breach, BreachAction, BreachedProcess, HealthVerdict, InspectReply, PodRef, Reason
+from kai_isolator.shared.grant import Grant
+
+from . import grants
+from .nvml import DriverSnapshot, NvmlError
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+OnBreach = Literal["kill", "evict", "warn"]
+MIB = 1 << 20
+DEFAULT_TOLERANCE_MIB = 512
+"""Allowed per process and device on top of the grant: NVML's usedGpuMemory includes what the driver
+reserves for each context (context state, local memory, printf/heap buffers, loaded modules), which
+the library never sees as an allocation. A bare CUDA 12 context with lazy loading reserves a few
+hundred MiB on current data-centre cards; 512 MiB covers that with room for a framework's modules,
+and `hami-core/gpu-check.sh` prints the figure measured on the node's own card to tune it by."""
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """A process, not just a PID: the start time (clock ticks after boot) tells a reused PID apart."""
+
+    pid: int
+    start_time: int
+
+
+def start_time(proc_root: Path, pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat; None when the process is gone."""
+    try:
+        data = (proc_root / str(pid) / "stat").read_bytes()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: count from the last ')'.
+    fields = data[data.rfind(b")") + 2:].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def identify(proc_root: Path, pid: int) -> tuple[Identity, ContainerCgroup | None] | None:
+    """The process's identity and kubelet container, read so that both describe one process: the
+    start time is read before and after the cgroup, and a PID that changed hands meanwhile is skipped."""
+    before = start_time(proc_root, pid)
+    if before is None:
+        return None
+    owner = container_of_pid(pid, proc_root)
+    if start_time(proc_root, pid) != before:
+        return None
+    return Identity(pid, before), owner
+
+
+KillOutcome = Literal["killed", "gone", "not-the-same-process", "left-the-container"]
+
+
+def kill_verified(proc_root: Path, identity: Identity, owner: ContainerCgroup) -> KillOutcome:
+    """SIGKILL exactly this process, and only while it still is the one attributed and in its container.
+
+    The pidfd pins the process the PID names at the moment it is opened; its identity is then checked
+    through /proc, and the signal goes through the pidfd. If the PID was reused before the open, the
+    start time differs and nothing is sent; if the process dies after the check, the signal fails
+    harmlessly (ESRCH) rather than reaching whoever takes the PID next.
+    """
+    try:
+        pidfd = os.pidfd_open(identity.pid)
+    except ProcessLookupError:
+        return "gone"
+    try:
+        found = identify(proc_root, identity.pid)
+        if found is None:
+            return "gone"
+        now, cgroup = found
+        if now != identity:
+            return "not-the-same-process"
+        if cgroup is None or (cgroup.pod_uid, cgroup.container_id) != (owner.pod_uid, owner.container_id):
+            return "left-the-container"
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            return "gone"
+        return "killed"
+    finally:
+        os.close(pidfd)
+
+
+# --- who a process belongs to --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """A GPU-sharing container held to a grant: the pod, the container's name and runtime id, the limits."""
+
+    pod: PodRef
+    container: str
+    container_id: str
+    limits: Mapping[str, int]  # device UUID -> bytes
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.pod.uid, self.container
+
+
+def container_name(pod: Obj, container_id: str) -> str | None:
+    """The name `status.containerStatuses` (or init / ephemeral statuses) gives a runtime container id."""
+    status = pod.get("status") or {}
+    for key in ("containerStatuses", "initContainerStatuses", "ephemeralContainerStatuses"):
+        for item in status.get(key) or []:
+            if isinstance(item, dict) and container_id_from_status(str(item.get("containerID") or "")) == container_id:
+                return str(item.get("name") or "") or None
+    return None
+
+
+class KnownPods:
+    """The GPU-sharing pods bound to this node (from the agent's pod watch) and their grant files.
+
+    A container is held to a grant only when its runtime id is in its pod's status and the node wrote
+    a grant for it: whatever is not known that way is `unattributed`, reported and never touched.
+    """
+
+    def __init__(self, grant_root: Path, pods: Callable[[], Mapping[str, Obj]]) -> None:
+        self.grant_root = grant_root
+        self.pods = pods
+        self._grants: dict[tuple[str, str], tuple[int, Grant | None]] = {}
+
+    def target(self, owner: ContainerCgroup) -> Target | str:
+        """The container a kubelet cgroup names, or why it is not one the enforcer holds to a grant."""
+        pod = self.pods().get(owner.pod_uid)
+        if pod is None:
+            return "not a GPU-sharing pod known on this node"
+        name = container_name(pod, owner.container_id)
+        if name is None:
+            return "container id not in the pod's status"
+        grant = self._grant(owner.pod_uid, name)
+        if grant is None:
+            return f"no grant written for container {name}"
+        meta = pod.get("metadata") or {}
+        ref = PodRef(namespace=str(meta.get("namespace") or grant.namespace), name=str(meta.get("name") or grant.pod), uid=owner.pod_uid)
+        return Target(ref, name, owner.container_id, {d.uuid: d.limit_bytes for d in grant.devices})
+
+    def _grant(self, uid: str, container: str) -> Grant | None:
+        # Re-read only when the file changed: the grant keeper replaces it by rename, so the inode moves.
+        try:
+            path = grants.grant_path(self.grant_root, uid, container)
+            stamp = path.stat().st_ino
+        except (OSError, ConfigError):
+            return None
+        cached = self._grants.get((uid, container))
+        if cached is None or cached[0] != stamp:
+            cached = (stamp, grants.read_grant(self.grant_root, uid, container))
+            self._grants[(uid, container)] = cached
+        return cached[1]
+
+    def forget_except(self, live: set[tuple[str, str]]) -> None:
+        for key in [k for k in self._grants if k not in live]:
+            del self._grants[key]
+
+
+# --- one poll ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Held:
+    identity: Identity
+    owner: ContainerCgroup
+    device_uuid: str
+    used_bytes: int | None
+
+
+@dataclass(frozen=True)
+class Unattributed:
+    pid: int
+    device_uuid: str
+    used_bytes: int | None
+    why: str
+
+
+@dataclass
+class Measure:
+    """One container on one device in one poll."""
+
+    target: Target
+    device_uuid: str
+    processes: list[Held] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return all(p.used_bytes is not None for p in self.processes)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(p.used_bytes or 0 for p in self.processes)
+
+    @property
+    def limit_bytes(self) -> int:
+        return self.target.limits.get(self.device_uuid, 0)  # a device not in the grant is granted nothing
+
+
+@dataclass
+class Poll:
+    """What one poll saw and did."""
+
+    ok: bool
+    error: str = ""
+    measures: list[Measure] = field(default_factory=list)
+    unattributed: list[Unattributed] = field(default_factory=list)
+    by_pid: dict[int, int] = field(default_factory=dict)  # host pid -> bytes on all devices (attributed or not)
+    devices: tuple[str, ...] = ()  # UUIDs by NVML index
+    breaches: list[tuple[Target, Breach]] = field(default_factory=list)
+    seconds: float = 0.0
+    at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Episode:
+    """A container's time over its grant on one device: counted until it is a breach, acted on once."""
+
+    over: int = 0
+    breach: Breach | None = None
+
+
+Report = Callable[[Target, Breach], Awaitable[None]]
+Evict = Callable[[PodRef], Awaitable[bool]]
+
+
+class Enforcer:
+    """Polls the driver and acts on breaches. `snapshot` is called in a worker thread and returns one
+    complete DriverSnapshot or raises NvmlError; `report` publishes the verdict, Event and metric."""
+
+    def __init__(self, snapshot: Callable[[], DriverSnapshot], pods: KnownPods, report: Report, *, proc_root: Path = Path("/proc"),
+                 on_breach: OnBreach = "kill", tolerance_bytes: int = DEFAULT_TOLERANCE_MIB * MIB, polls_to_breach: int = 2,
+                 evict: Evict | None = None) -> None:
+        self.snapshot = snapshot
+        self.pods = pods
+        self.report = report
+        self.proc_root = proc_root
+        self.on_breach: OnBreach = on_breach
+        self.tolerance_bytes = tolerance_bytes
+        self.polls_to_breach = polls_to_breach
+        self.evict = evict
+        self.episodes: dict[tuple[str, str, str], _Episode] = {}
+        self.killed: dict[Identity, float] = {}  # signalled; their memory is being torn down by the driver
+        self.last: Poll | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def healthy(self) -> bool:
+        return self.last is not None and self.last.ok
+
+    async def poll(self) -> Poll:
+        """One round: snapshot, attribute, compare, act. Rounds never overlap."""
+        async with self._lock:
+            started = time.perf_counter()
+            try:
+                snap = await asyncio.to_thread(self.snapshot)
+            except NvmlError as error:
+                # No complete view: nothing counts toward a breach, and nothing is acted on.
+                for episode in self.episodes.values():
+                    episode.over = 0
+                result = Poll(ok=False, error=str(error), seconds=time.perf_counter() - started)
+                self.last = result
+                return result
+            result = await asyncio.to_thread(self.attribute, snap)
+            await self._judge(result)
+            result.seconds = time.perf_counter() - started
+            self.last = result
+            return result
+
+    def attribute(self, snap: DriverSnapshot) -> Poll:
+        """Every process the driver reports, as one container's on one device, or unattributed."""
+        result = Poll(ok=True, at=snap.taken_at, devices=snap.devices)
+        measures: dict[tuple[str, str, str], Measure] = {}
+        seen: set[Identity] = set()
+        for entry in snap.processes:
+            result.by_pid[entry.pid] = result.by_pid.get(entry.pid, 0) + (entry.used_bytes or 0)
+            found = identify(self.proc_root, entry.pid)
+            if found is None:
+                continue  # exited since the snapshot: its memory is going with it
+            identity, owner = found
+            seen.add(identity)
+            if identity in self.killed:
+                continue  # already signalled: what the driver still shows is being released
+            if owner is None:
+                result.unattributed.append(Unattributed(entry.pid, entry.device_uuid, entry.used_bytes, "not in a kubelet container cgroup"))
+                continue
+            target = self.pods.target(owner)
+            if isinstance(target, str):
+                result.unattributed.append(Unattributed(entry.pid, entry.device_uuid, entry.used_bytes, target))
+                continue
+            key = (*target.key, entry.device_uuid)
+            measures.setdefault(key, Measure(target, entry.device_uuid)).processes.append(
+                Held(identity, owner, entry.device_uuid, entry.used_bytes))
+        for gone in [i for i in self.killed if i not in seen]:
+            del self.killed[gone]  # torn down: the driver no longer shows it
+        result.measures = list(measures.values())
+        self.pods.forget_except({m.target.key for m in result.measures})
+        return result
+
+    def threshold(self, measure: Measure, processes: int | None = None) -> int:
+        count = len(measure.processes) if processes is None else processes
+        return measure.limit_bytes + self.tolerance_bytes * count
+
+    async def _judge(self, result: Poll) -> None:
+        live = set()
+        for measure in result.measures:
+            key = (*measure.target.key, measure.device_uuid)
+            live.add(key)
+            episode = self.episodes.setdefault(key, _Episode())
+            if not measure.complete:
+                episode.over = 0  # a withheld figure: never act on part of the truth
+                continue
+            if measure.used_bytes <= self.threshold(measure):
+                self.episodes[key] = _Episode()  # under again: the episode (and its breach) is over
+                continue
+            episode.over += 1
+            if episode.over < self.polls_to_breach or episode.breach is not None:
+                continue
+            episode.breach = await self._act(measure)
+            result.breaches.append((measure.target, episode.breach))
+            try:
+                await self.report(measure.target, episode.breach)
+            except Exception:  # noqa: BLE001 - a report that failed must not make us act again
+                log.exception("could not report a breach", extra={"pod": f"{measure.target.pod.namespace}/{measure.target.pod.name}"})
+        for key in [k for k in self.episodes if k not in live]:
+            del self.episodes[key]  # nothing of that container on that device any more
+
+    async def _act(self, measure: Measure) -> Breach:
+        target = measure.target
+        ordered = sorted(measure.processes, key=lambda p: (-(p.used_bytes or 0), p.identity.pid))
+        breach_id = hashlib.sha256(repr((target.pod.uid, target.container, measure.device_uuid,
+                                         sorted((p.identity.pid, p.identity.start_time) for p in ordered))).encode()).hexdigest()[:16]
+        killed: set[int] = set()
+        action: BreachAction = {"kill": "killed", "evict": "evicted", "warn": "warned"}[self.on_breach]  # type: ignore[assignment]
+        ok = True
+        if self.on_breach == "kill":
+            remaining, left = measure.used_bytes, len(ordered)
+            for process in ordered:
+                if remaining <= self.threshold(measure, left):
+                    break
+                outcome = await asyncio.to_thread(kill_verified, self.proc_root, process.identity, process.owner)
+                log.warning("breach: %s pid %d", outcome, process.identity.pid, extra={
+                    "pod": f"{target.pod.namespace}/{target.pod.name}", "container": target.container, "device": measure.device_uuid})
+                if outcome in ("killed", "gone"):
+                    self.killed[process.identity] = time.monotonic()
+                    remaining -= process.used_bytes or 0
+                    left -= 1
+                if outcome == "killed":
+                    killed.add(process.identity.pid)
+            ok = remaining <= self.threshold(measure, left)
+        elif self.on_breach == "evict":
+            ok = self.evict is not None and await self.evict(target.pod)
+        return Breach(
+            breach_id=breach_id, device_uuid=measure.device_uuid, grant_bytes=measure.limit_bytes,
+            tolerance_bytes=self.tolerance_bytes * len(ordered), measured_bytes=measure.used_bytes,
+            processes=[BreachedProcess(pid=p.identity.pid, used_bytes=p.used_bytes or 0, killed=p.identity.pid in killed) for p in ordered],
+            action=action, action_ok=ok,
+        )
+
+    async def run(self, interval_s: float) -> None:
+        """Poll every `interval_s` until cancelled; a failed round is logged and the next one retries."""
+        while True:
+            began = time.monotonic()
+            try:
+                await self.poll()
+            except Exception:  # noqa: BLE001 - the enforcer must keep running
+                log.exception("enforcer round failed")
+            await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - began)))
+
+
+# --- what a breach tells the world -----------------------------------------------------------------
+
+
+def verdict(node: str, target: Target, breach: Breach) -> HealthVerdict:
+    """The `breached` verdict: which device, the grant, what the driver measured, the processes, the action."""
+    pids = ",".join(f"{p.pid}({p.used_bytes >> 20} MiB)" for p in breach.processes)
+    killed = ",".join(str(p.pid) for p in breach.processes if p.killed) or "none"
+    done = {"killed": f"killed pids {killed}", "evicted": "evicted the pod", "warned": "warned only (--on-breach warn)"}[breach.action]
+    reasons = [
+        Reason(code="over-grant", message=f"device {breach.device_uuid}: the driver shows {breach.measured_bytes} bytes held by pids {pids}, "
+                                          f"grant {breach.grant_bytes} bytes (+{breach.tolerance_bytes} for driver context reservations)"),
+        Reason(code=breach.action, message=done if breach.action_ok else f"{done}: not carried out in full"),
+    ]
+    return HealthVerdict(pod=target.pod, node_name=node, container=target.container, verdict="breached", reasons=reasons,
+                         observation=f"breach-{breach.breach_id}", breach=breach)
+
+
+def event_message(target: Target, breach: Breach) -> str:
+    report = verdict("", target, breach)
+    return f"container {target.container}: breached (" + "; ".join(f"{r.code}: {r.message}" for r in report.reasons) + ")"
+
+
+def driver_memory(poll: Poll | None, fresh_s: float) -> dict[int, int] | None:
+    """Host pid -> device memory the driver showed in the latest complete poll, if recent enough."""
+    if poll is None or not poll.ok or time.monotonic() - poll.at > fresh_s:
+        return None
+    return poll.by_pid
+
+
+def with_driver_view(reply: InspectReply, memory: dict[int, int] | None) -> InspectReply:
+    """An InspectReply with each process's device memory from the driver (0 for a process it does not list)."""
+    if memory is None:
+        return reply
+    processes = [p.model_copy(update={"device_memory_bytes": memory.get(p.pid, 0)}) for p in reply.processes]
+    return reply.model_copy(update={"processes": processes, "driver_view": True})
+

@@ -1,0 +1,332 @@
+"""Bypasses the library cannot see, run for real in simulated containers, each stopped by the node agent's
+enforcer from the driver's own view (the fake NVML's per-process queries on the node-wide ledger, by host
+PID, attributed by kubelet cgroup): the tenant's process is killed, a well-behaved neighbour on the same
+fake GPU keeps its memory, one breach is acted on once, and nothing is ever killed on a partial view."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import nats
+import pytest
+from kubernetes_asyncio import client, config
+
+from kai_isolator.services.nodeagent import enforce
+from kai_isolator.services.nodeagent.agent import NodeAgent
+from kai_isolator.services.nodeagent.enforce import Enforcer, KnownPods, Target
+from kai_isolator.services.nodeagent.nvml import Nvml, NvmlError
+from kai_isolator.services.nodeagent.settings import NodeAgentSettings
+from kai_isolator.services.sandbox.api import SandboxApi
+from kai_isolator.services.sandbox.settings import SandboxSettings
+from kai_isolator.shared import subjects
+from kai_isolator.shared.cgroups import container_of_pid
+from kai_isolator.shared.contract import DEFAULT_GRANT_DIR
+from kai_isolator.shared.events import Breach, HealthVerdict, InspectRequest, decode
+from kai_isolator.shared.settings import BusSettings
+from security.container import BUILD, CUPROBE, FAKE_DIR, GIB, MIB, OUTCOMES, Background, Container, SimNode, decoy_library, gpu_pod
+
+RAWELF = BUILD / "tests" / "rawelf"
+DEEPBIND = BUILD / "tests" / "deepbind"
+DEEPBIND_DSO = BUILD / "tests" / "libdeepbind.so"
+SHIM = BUILD / "tests" / "libshim.so"
+FAKE_NVML = FAKE_DIR / "libnvidia-ml.so.1"
+HOLD = ["hold", "600000"]
+ATTACK = 4 * GIB  # what each hostile tenant took under a 1 GiB grant before the enforcer
+
+
+@pytest.fixture
+def driver_view(node: SimNode, monkeypatch: pytest.MonkeyPatch) -> Iterator[Nvml]:
+    """The node agent's NVML: the fake one, answering from this node's ledger (the real one needs no env)."""
+    for key, value in node.driver_env.items():
+        if key.startswith("FAKE_"):
+            monkeypatch.setenv(key, value)
+    for knob in ("FAKE_NVML_PROCESS_API", "FAKE_NVML_GRAPHICS", "FAKE_NVML_USED"):
+        monkeypatch.delenv(knob, raising=False)
+    reader = Nvml(str(FAKE_NVML))
+    yield reader
+
+
+class Reports:
+    """What the enforcer told the world, in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[Target, Breach]] = []
+
+    async def __call__(self, target: Target, breach: Breach) -> None:
+        self.seen.append((target, breach))
+
+
+def enforcer_for(node: SimNode, reader: Nvml, reports: Reports, **options: object) -> Enforcer:
+    """The agent's enforcer on this node: the pods the kubelet runs, the grants the node wrote."""
+    pods = KnownPods(node.root / DEFAULT_GRANT_DIR.lstrip("/"), lambda: {c.pod_ref.uid: c.pod for c in node.containers})
+    return Enforcer(reader.snapshot, pods, reports, **options)  # type: ignore[arg-type]
+
+
+async def attack(container: Container, how: str, tmp_path: Path) -> Background:
+    """Start one bypass of the library inside `container`, past its grant; returns once it holds the memory."""
+    if how == "raw-elf-lookup":
+        argv = [str(RAWELF), str(ATTACK)]
+    elif how == "rtld-deepbind":
+        argv = [str(DEEPBIND), str(DEEPBIND_DSO), str(ATTACK)]
+    elif how == "ld-preload-shim":
+        # The tenant's own shim ahead of /etc/ld.so.preload; the application is unmodified.
+        argv = ["env", f"LD_PRELOAD={SHIM}", str(CUPROBE), "init", "ctx", "0", "alloc", str(ATTACK), *HOLD]
+    elif how == "user-namespace-decoy":
+        decoy = decoy_library(tmp_path / "tenant")
+        script = f'mount --bind {decoy} /usr/local/vgpu/libvgpu.so && exec "$@"'
+        argv = ["unshare", "-Urm", "sh", "-c", script, "sh", str(CUPROBE), "init", "ctx", "0", "alloc", str(ATTACK), *HOLD]
+    elif how == "own-pid-namespace":
+        # The fake driver then records pid 1: the enforcer must still find and kill the host process.
+        argv = ["unshare", "-Urpf", str(RAWELF), str(ATTACK)]
+    else:
+        raise AssertionError(how)
+    started = await container.background(argv)
+    line = await started.wait_for("alloc ")
+    assert " rc=0" in line, f"{how}: the bypass did not get past the library: {line}"
+    await started.wait_for("holding")
+    return started
+
+
+def holders(node: SimNode, container: Container) -> list[int]:
+    """Host pids of the container that the driver shows holding memory (the fake NVML, as the agent reads it)."""
+    mine = set(container.process.pids())
+    return sorted(p.pid for p in Nvml(str(FAKE_NVML)).snapshot().processes if p.pid in mine)
+
+
+async def exited_by_sigkill(program: Background, timeout_s: float = 10) -> bool:
+    code = await asyncio.wait_for(program.process.wait(), timeout_s)
+    # The kill reaches the process the driver lists; a wrapper around it (unshare -f) may report that
+    # as 128+9, or, as PID 1 of its own namespace dying takes the rest with it, its own exit status.
+    return code in (-signal.SIGKILL, 128 + signal.SIGKILL) or (code != 0 and "holding" in program.lines)
+
+
+ATTACKS = ["raw-elf-lookup", "rtld-deepbind", "ld-preload-shim", "user-namespace-decoy", "own-pid-namespace"]
+
+
+@pytest.mark.parametrize("how", ATTACKS)
+async def test_a_bypass_is_killed_and_the_neighbour_keeps_its_memory(node: SimNode, driver_view: Nvml, tmp_path: Path, how: str) -> None:
+    neighbour = await node.start(gpu_pod("neighbour"), limit="1g")
+    kept = await neighbour.hold(768 * MIB)
+    tenant = await node.start(gpu_pod(f"hostile-{how}"), limit="1g")
+    bypass = await attack(tenant, how, tmp_path)
+    assert node.driver_used() == ATTACK + 768 * MIB  # the driver really gave it all
+
+    reports = Reports()
+    enforcer = enforcer_for(node, driver_view, reports, tolerance_bytes=0)
+    first = await enforcer.poll()
+    assert first.ok and not reports.seen  # one poll over the grant is not yet a breach
+    [measure] = [m for m in first.measures if m.target.pod.uid == tenant.pod_ref.uid]
+    assert measure.used_bytes == ATTACK and measure.limit_bytes == GIB
+    second = await enforcer.poll()
+    assert [t.pod.uid for t, _ in second.breaches] == [tenant.pod_ref.uid]
+
+    assert await exited_by_sigkill(bypass)
+    [(target, breach)] = reports.seen
+    assert (target.pod.name, target.container) == (tenant.pod_ref.name, "main")
+    assert breach.action == "killed" and breach.action_ok and breach.grant_bytes == GIB and breach.measured_bytes == ATTACK
+    assert [p.used_bytes for p in breach.processes] == [ATTACK] and all(p.killed for p in breach.processes)
+    verdict = enforce.verdict("gpu-node-sec", target, breach)
+    assert verdict.verdict == "breached" and [r.code for r in verdict.reasons] == ["over-grant", "killed"]
+
+    # The neighbour on the same GPU: still running, still holding exactly what it held.
+    assert kept.process.returncode is None and node.driver_used() == 768 * MIB
+    assert holders(node, neighbour) and not holders(node, tenant)
+    third = await enforcer.poll()
+    assert not third.breaches and len(reports.seen) == 1
+    OUTCOMES.append((f"{how} [{node.driver.value}]", f"killed by the enforcer ({ATTACK >> 20} MiB of {GIB >> 20})",
+                     f"breached: {', '.join(r.code for r in verdict.reasons)}"))
+
+
+async def test_kill_stops_at_the_grant_biggest_first_and_one_breach_is_acted_on_once(node: SimNode, driver_view: Nvml) -> None:
+    tenant = await node.start(gpu_pod("many"), limit="1g")
+    small = await tenant.hold(512 * MIB)  # within the grant, through the library
+    big = await tenant.background([str(RAWELF), str(2 * GIB)])
+    await big.wait_for("holding")
+    reports = Reports()
+    enforcer = enforcer_for(node, driver_view, reports, tolerance_bytes=0)
+    await enforcer.poll()
+    await enforcer.poll()
+    assert await exited_by_sigkill(big)
+    # 2.5 GiB held; killing the 2 GiB process brings it to 512 MiB, under the grant: the small one lives.
+    assert small.process.returncode is None and node.driver_used() == 512 * MIB
+    [(_, breach)] = reports.seen
+    assert [(p.used_bytes, p.killed) for p in breach.processes] == [(2 * GIB, True), (512 * MIB, False)]
+    for _ in range(3):
+        await enforcer.poll()
+    assert len(reports.seen) == 1
+
+
+@pytest.mark.parametrize("mode", ["warn", "evict"])
+async def test_warn_and_evict_act_once_per_breach_however_long_it_lasts(node: SimNode, driver_view: Nvml, mode: str) -> None:
+    tenant = await node.start(gpu_pod(f"long-{mode}"), limit="1g")
+    bypass = await attack(tenant, "raw-elf-lookup", Path("/nonexistent"))
+    evictions: list[str] = []
+
+    async def evict(pod: object) -> bool:
+        evictions.append(str(pod))
+        return True
+
+    reports = Reports()
+    enforcer = enforcer_for(node, driver_view, reports, tolerance_bytes=0, on_breach=mode, evict=evict)
+    for _ in range(6):
+        await enforcer.poll()
+    assert bypass.process.returncode is None  # neither mode kills
+    assert [b.action for _, b in reports.seen] == ["warned" if mode == "warn" else "evicted"]
+    assert len(evictions) == (1 if mode == "evict" else 0)
+
+
+async def test_the_tolerance_for_context_reservations_is_per_process(node: SimNode, driver_view: Nvml) -> None:
+    tenant = await node.start(gpu_pod("tolerated"), limit="1g")
+    bypass = await tenant.background([str(RAWELF), str(GIB + 256 * MIB)])
+    await bypass.wait_for("holding")
+    reports = Reports()
+    enforcer = enforcer_for(node, driver_view, reports, tolerance_bytes=256 * MIB)
+    for _ in range(3):
+        await enforcer.poll()
+    assert not reports.seen and bypass.process.returncode is None  # exactly grant + one context's allowance
+    more = await tenant.background([str(RAWELF), str(512 * MIB)])  # a second process: +256 MiB allowance, +512 MiB held
+    await more.wait_for("holding")
+    await enforcer.poll()
+    await enforcer.poll()
+    assert [b.measured_bytes for _, b in reports.seen] == [GIB + 768 * MIB]
+
+
+async def test_only_the_breaching_containers_processes_are_ever_killed(node: SimNode, driver_view: Nvml) -> None:
+    tenant = await node.start(gpu_pod("over"), limit="1g")
+    bypass = await attack(tenant, "raw-elf-lookup", Path("/nonexistent"))
+    big_neighbour = await node.start(gpu_pod("big", gpu_memory="8192"), limit="8g")
+    heavy = await big_neighbour.hold(6 * GIB)  # more than the breaching one holds, but within its own grant
+    outsider = subprocess.Popen([str(RAWELF), str(2 * GIB)], env={"PATH": os.environ["PATH"], **node.driver_env},
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert outsider.stdout is not None and "rc=0" in outsider.stdout.readline()
+        reports = Reports()
+        enforcer = enforcer_for(node, driver_view, reports, tolerance_bytes=0)
+        await enforcer.poll()
+        poll = await enforcer.poll()
+        assert await exited_by_sigkill(bypass)
+        assert heavy.process.returncode is None and outsider.poll() is None
+        # A host process in no container is reported, never touched.
+        assert [(u.pid, u.why) for u in poll.unattributed] == [(outsider.pid, "not in a kubelet container cgroup")]
+        # The kill itself refuses a process that is not in the breaching container, whatever it was asked.
+        owner = container_of_pid(tenant.process.pid)
+        assert owner is not None
+        victim = [p for p in big_neighbour.process.pids() if enforce.start_time(Path("/proc"), p) is not None][-1]
+        asked = enforce.Identity(victim, enforce.start_time(Path("/proc"), victim) or 0)
+        assert enforce.kill_verified(Path("/proc"), asked, owner) == "left-the-container"
+        assert heavy.process.returncode is None and node.driver_used() == 6 * GIB + 2 * GIB
+    finally:
+        outsider.kill()
+        outsider.wait()
+
+
+async def test_a_reused_pid_is_never_killed(node: SimNode) -> None:
+    tenant = await node.start(gpu_pod("reuse"), limit="1g")
+    sleeper = await tenant.background(["sh", "-c", "echo started; exec sleep 600"])
+    await sleeper.wait_for("started")
+    pid = sleeper.process.pid  # nsenter and the cgroup join exec into the program: one process
+    owner = container_of_pid(pid)
+    assert owner is not None
+    started = enforce.start_time(Path("/proc"), pid)
+    assert started is not None
+    # The identity the enforcer attributed was an earlier process with this PID: a different start time.
+    assert enforce.kill_verified(Path("/proc"), enforce.Identity(pid, started - 1), owner) == "not-the-same-process"
+    assert sleeper.process.returncode is None and Path(f"/proc/{pid}").exists()
+    assert enforce.kill_verified(Path("/proc"), enforce.Identity(pid, started), owner) == "killed"
+    await asyncio.wait_for(sleeper.process.wait(), 10)
+    assert enforce.kill_verified(Path("/proc"), enforce.Identity(pid, started), owner) in ("gone", "not-the-same-process")
+
+
+@pytest.mark.parametrize("failure", ["nvml-missing", "no-driver-view", "memory-withheld"])
+async def test_nothing_is_killed_on_a_partial_view(node: SimNode, driver_view: Nvml, monkeypatch: pytest.MonkeyPatch, failure: str) -> None:
+    tenant = await node.start(gpu_pod(f"blind-{failure}"), limit="1g")
+    bypass = await attack(tenant, "raw-elf-lookup", Path("/nonexistent"))
+    reports = Reports()
+    snapshot = driver_view.snapshot
+    if failure == "nvml-missing":
+        def snapshot() -> enforce.DriverSnapshot:
+            return Nvml(str(FAKE_DIR / "no-such-libnvidia-ml.so.1")).snapshot()
+    elif failure == "no-driver-view":
+        monkeypatch.delenv("FAKE_CUDA_STATE")  # the fake NVML then answers NVML_ERROR_NOT_SUPPORTED
+    else:
+        monkeypatch.setenv("FAKE_NVML_USED", "unavailable")  # NVML_VALUE_NOT_AVAILABLE for every process
+    pods = KnownPods(node.root / DEFAULT_GRANT_DIR.lstrip("/"), lambda: {c.pod_ref.uid: c.pod for c in node.containers})
+    enforcer = Enforcer(snapshot, pods, reports, tolerance_bytes=0)
+    polls = [await enforcer.poll() for _ in range(4)]
+    assert not reports.seen and bypass.process.returncode is None
+    if failure == "memory-withheld":
+        assert all(p.ok for p in polls) and all(not m.complete for p in polls for m in p.measures)
+    else:
+        assert not any(p.ok for p in polls) and all(p.error for p in polls) and not enforcer.healthy
+    with pytest.raises(NvmlError):
+        Nvml(str(FAKE_DIR / "no-such-libnvidia-ml.so.1"))
+
+
+# --- the whole agent: verdict on the bus, Event on the pod, metric ---------------------------------------
+
+
+@pytest.fixture
+async def sandbox(tmp_path: Path) -> AsyncIterator[SandboxApi]:
+    settings = SandboxSettings(kubeconfig=tmp_path / "kubeconfig", bookmark_interval_s=0.1, node_step_s=0.02, gpu_nodes=("gpu-node-sec:15360",))
+    async with SandboxApi(settings) as api:
+        yield api
+
+
+async def test_the_agent_kills_publishes_breached_posts_the_event_and_counts(
+        node: SimNode, driver_view: Nvml, sandbox: SandboxApi, bus_settings: BusSettings) -> None:
+    neighbour = await node.start(gpu_pod("calm"), limit="1g")
+    kept = await neighbour.hold(512 * MIB)
+    tenant = await node.start(gpu_pod("agent-hostile"), limit="1g")
+    settings = NodeAgentSettings(node_name="gpu-node-sec", host_root=node.root, library=[], install_on_start=False,
+                                 status_interval_s=3600, usage_interval_s=3600, kubeconfig=sandbox.settings.kubeconfig,
+                                 enforce_interval_s=0.2, breach_tolerance_mib=0, nvml_library=str(FAKE_NVML))
+    api = await config.new_client_from_config(config_file=str(sandbox.settings.kubeconfig))
+    async with api:  # the tenant's namespace exists, as it does wherever its pods run
+        await client.CoreV1Api(api).create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=tenant.pod_ref.namespace)))
+    agent = NodeAgent(settings, bus_settings, probe_listen="127.0.0.1:0")
+    assert agent.enforcer is not None
+    # The sandbox runs no such pods; the enforcer learns them as the agent's pod watch would.
+    agent.enforcer.pods = KnownPods(agent.grant_root, lambda: {c.pod_ref.uid: c.pod for c in node.containers})
+    nc = await nats.connect(bus_settings.nats_url or "")
+    verdicts = await nc.subscribe(subjects.health(tenant.pod_ref.namespace, tenant.pod_ref.name))
+    await agent.start(bus_settings.nats_url or "")
+    try:
+        bypass = await attack(tenant, "raw-elf-lookup", Path("/nonexistent"))
+        _, published = decode((await verdicts.next_msg(timeout=15)).data)
+        assert isinstance(published, HealthVerdict) and published.verdict == "breached" and published.breach is not None
+        assert published.breach.action == "killed" and published.container == "main"
+        assert await exited_by_sigkill(bypass)
+        assert kept.process.returncode is None and node.driver_used() == 512 * MIB
+
+        api = await config.new_client_from_config(config_file=str(sandbox.settings.kubeconfig))
+        async with api:  # the Event is posted right after the verdict is published
+            for _ in range(100):
+                events = await client.CoreV1Api(api).list_namespaced_event(tenant.pod_ref.namespace)
+                breached = [e for e in events.items if e.reason == "IsolationBreached"]
+                if breached:
+                    break
+                await asyncio.sleep(0.05)
+        [event] = breached
+        assert event.type == "Warning" and event.involved_object.name == tenant.pod_ref.name and "over-grant" in event.message
+        async with aiohttp.ClientSession() as http, http.get(f"{agent.runtime.probe_url}/metrics") as response:
+            metrics = await response.text()
+        assert (f'kai_isolator_breaches_total{{action="killed",container="main",namespace="{tenant.pod_ref.namespace}",'
+                f'pod="{tenant.pod_ref.name}"}} 1.0') in metrics
+        assert "kai_isolator_nvml_up 1.0" in metrics
+        reply = await agent.on_inspect(neighbour_request(neighbour))
+        assert reply.driver_view and [p.device_memory_bytes for p in reply.processes if p.device_memory_bytes] == [512 * MIB]
+        usage = await agent.report_usage()
+        assert [(u.source, [d.used_bytes for d in u.devices]) for u in usage if u.pod.uid == neighbour.pod_ref.uid] == [("driver", [512 * MIB])]
+    finally:
+        await nc.close()
+        await agent.stop()
+
+
+def neighbour_request(container: Container) -> InspectRequest:
+    return InspectRequest(node_name="gpu-node-sec", pod=container.pod_ref, container=container.name, container_id=container.container_id)
