@@ -46,9 +46,23 @@ def judge(pod: PodIsolation, reply: InspectReply, library_path: str) -> Judgemen
         return up_front
     expected = _limit_bytes(pod.expected_limit)
     reasons = [*_preload_reasons(reply, library_path), *_limit_reasons(reply, pod.expected_limit or "", expected), *_usage_reasons(reply, expected)]
-    if any(r.code in MISSING_CODES for r in reasons):
-        return Judgement("missing", tuple(r for r in reasons if r.code in MISSING_CODES))
+    missing = [r for r in reasons if r.code in MISSING_CODES] + _holding_without_library(reply)
+    if missing:
+        return Judgement("missing", tuple(missing))
     return Judgement("degraded" if reasons else "verified", tuple(reasons))
+
+
+def _holding_without_library(reply: InspectReply) -> list[Reason]:
+    """From the driver's view: device memory held by processes that do not map the node's library (by
+    identity, so a decoy of the same name counts as none) is memory no limit ever applied to."""
+    if not reply.driver_view:
+        return []
+    holding = {p.pid: p.device_memory_bytes for p in reply.processes if not p.library_mapped and p.device_memory_bytes}
+    if not holding:
+        return []
+    held = ", ".join(f"{pid} ({holding[pid]} bytes)" for pid in sorted(holding))
+    return [Reason(code="process-without-library", message=f"the driver shows device memory held by pids {held}, "
+                                                          "which do not map libvgpu.so: no limit applies to it")]
 
 
 def judge_unobservable(pod: PodIsolation, inspections: int, seconds: float) -> Judgement:

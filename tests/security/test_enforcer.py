@@ -330,3 +330,15 @@ async def test_the_agent_kills_publishes_breached_posts_the_event_and_counts(
 
 def neighbour_request(container: Container) -> InspectRequest:
     return InspectRequest(node_name="gpu-node-sec", pod=container.pod_ref, container=container.name, container_id=container.container_id)
+
+
+async def test_the_verifier_sees_memory_held_without_the_library_as_missing(node: SimNode, driver_view: Nvml, tmp_path: Path) -> None:
+    tenant = await node.start(gpu_pod("no-library"), limit="1g")
+    await attack(tenant, "user-namespace-decoy", tmp_path)  # maps a file named libvgpu.so that is not the node's
+    enforcer = enforcer_for(node, driver_view, Reports(), on_breach="warn")
+    memory = enforce.driver_memory(await enforcer.poll(), fresh_s=60)
+    assert memory is not None
+    judgement = tenant.judge(enforce.with_driver_view(tenant.inspect(), memory))
+    assert judgement.verdict == "missing" and "process-without-library" in [r.code for r in judgement.reasons]
+    # Without the driver's view the same container is only degraded (its cache shows nothing wrong).
+    assert tenant.judge().verdict == "degraded"

@@ -140,3 +140,19 @@ def test_a_tampered_accounting_file_is_degraded_and_says_how() -> None:
 def test_unobservable_is_one_observation_whatever_the_counts() -> None:
     first, later = judge_unobservable(running(), 3, 30), judge_unobservable(running(), 3, 30)
     assert first.verdict == "degraded" and codes(first) == ["unobservable"] and first.observation == later.observation
+
+
+def test_device_memory_in_a_process_without_the_library_is_missing_from_the_drivers_view() -> None:
+    # pid 11 maps a decoy (not the node's library) and holds 2 GiB; pid 12 is a shell holding nothing.
+    observed = reply(process(10, device_memory_bytes=GIB), process(11, library_mapped=False, library_not_ours="/usr/local/vgpu/libvgpu.so",
+                                                                      device_memory_bytes=2 * GIB),
+                     process(12, library_mapped=False, device_memory_bytes=0)).model_copy(update={"driver_view": True})
+    result = judge(running(), observed, LIB)
+    assert result.verdict == "missing" and codes(result) == ["process-without-library"]
+    assert "11 (2147483648 bytes)" in result.reasons[0].message and "12" not in result.reasons[0].message
+
+
+def test_without_the_drivers_view_a_process_without_the_library_stays_degraded() -> None:
+    observed = reply(process(10), process(11, library_mapped=False, device_memory_bytes=None))
+    result = judge(running(), observed, LIB)
+    assert result.verdict == "degraded" and "process-without-library" in codes(result)
