@@ -18,9 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import nats
-
-from kai_isolator.shared.bus import provision_stream, stop_signals
+from kai_isolator.shared.bus import connect, provision_stream, stop_signals
 from kai_isolator.shared.embedded_nats import bus_url
 from kai_isolator.shared.settings import BusSettings, load
 from kai_isolator.shared.tail import follow, render_line
@@ -39,6 +37,12 @@ class DevContext:
     bus: BusSettings
     workdir: Path
     values: dict[str, Any] = field(default_factory=dict)
+    nats_embedded: bool = False
+
+    @property
+    def nats_description(self) -> str:
+        """Which NATS the services use, for banners: never claim an embedded one that is not."""
+        return f"an embedded NATS at {self.nats_url}" if self.nats_embedded else f"the NATS at {self.nats_url}"
 
 
 DevComponent = Callable[[DevContext], AbstractAsyncContextManager[None]]
@@ -56,7 +60,8 @@ async def run(args: argparse.Namespace) -> int:
     async with bus_url(settings) as url, contextlib.AsyncExitStack() as stack:
         await _provision(url, settings)
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kai-isolator-dev-")))
-        context = DevContext(nats_url=url, bus=settings.model_copy(update={"nats_url": url}), workdir=workdir)
+        context = DevContext(nats_url=url, bus=settings.model_copy(update={"nats_url": url}), workdir=workdir,
+                             nats_embedded=settings.nats_url is None)
         # Later components may rely on values earlier ones put in DevContext.values.
         for component in registry.dev_components():
             await stack.enter_async_context(component(context))
@@ -65,8 +70,8 @@ async def run(args: argparse.Namespace) -> int:
                 logging.getLogger().setLevel(logging.WARNING)  # the timeline is the demo's output
             return await run_demo(context)
         with stop_signals() as stop:
-            timeline = asyncio.create_task(_print_events(url))
-            print(f"kai-isolator dev: bus at {url}; printing events; Ctrl-C to stop", flush=True)
+            timeline = asyncio.create_task(_print_events(url, context.bus))
+            print(f"kai-isolator dev: bus is {context.nats_description}; printing events; Ctrl-C to stop", flush=True)
             await stop.wait()
         timeline.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -76,13 +81,13 @@ async def run(args: argparse.Namespace) -> int:
 
 
 async def _provision(url: str, settings: BusSettings) -> None:
-    nc = await nats.connect(url)
+    nc = await connect(settings, url, "kai-isolator-dev")
     try:
-        await provision_stream(nc.jetstream(), settings)
+        await provision_stream(nc.jetstream(timeout=settings.jetstream_timeout_s), settings)
     finally:
         await nc.drain()
 
 
-async def _print_events(url: str) -> None:
-    async for item in follow(url):
+async def _print_events(url: str, settings: BusSettings) -> None:
+    async for item in follow(url, settings=settings):
         print(render_line(item, as_json=False), flush=True)

@@ -32,9 +32,10 @@ async def run(args: argparse.Namespace) -> int:
         print(json.dumps(event_schema(args.schema), indent=2, ensure_ascii=False))
         return 0
     since = parse_since(args.since) if args.since else None
-    async with bus_url(load(BusSettings, args)) as url:
+    settings = load(BusSettings, args)
+    async with bus_url(settings) as url:
         with stop_signals() as stop:
-            printer = asyncio.create_task(_print(url, args.subject, since, args.json, args.limit))
+            printer = asyncio.create_task(_print(url, settings, args.subject, since, args.json, args.limit))
             stopper = asyncio.create_task(stop.wait())
             await asyncio.wait({printer, stopper}, return_when=asyncio.FIRST_COMPLETED)
             for task in (printer, stopper):
@@ -44,9 +45,9 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _print(url: str, subject: str, since: datetime | None, as_json: bool, limit: int | None) -> None:
+async def _print(url: str, settings: BusSettings, subject: str, since: datetime | None, as_json: bool, limit: int | None) -> None:
     seen = 0
-    async for item in follow(url, subject, since):
+    async for item in follow(url, subject, since, settings):
         print(render_line(item, as_json), flush=True)
         seen += 1
         if limit is not None and seen >= limit:

@@ -34,7 +34,7 @@ from . import subjects
 from .errors import BusError, DecodeError
 from .events import DeadLetter, ErrorReply, Payload, decode, encode
 from .probes import ProbeServer
-from .settings import BusSettings
+from .settings import BusSettings, nats_servers
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class Runtime:
         if self._probe:
             await self._probe.start()
         self._nc = await self._connect(url)
-        self._js = self._nc.jetstream()
+        self._js = self._nc.jetstream(timeout=self.settings.jetstream_timeout_s)
         await self._provision()
         for binding in self._events:
             psub = await self._bind_consumer(binding)
@@ -193,36 +193,8 @@ class Runtime:
         await self.stop()
 
     async def _connect(self, url: str) -> NatsClient:
-        # With unlimited reconnects nats-py keeps retrying the first connection too; bound it here.
-        try:
-            return await asyncio.wait_for(nats.connect(**self._connect_options(url)), self.settings.nats_connect_timeout_s)
-        except (OSError, nats.errors.Error, asyncio.TimeoutError) as error:
-            raise BusError(f"cannot reach NATS at {url} within {self.settings.nats_connect_timeout_s:g}s: {type(error).__name__}") from None
-
-    def _connect_options(self, url: str) -> dict[str, Any]:
-        s = self.settings
-        options: dict[str, Any] = {
-            "servers": [u.strip() for u in url.split(",")],
-            "name": self.service,
-            "max_reconnect_attempts": -1,
-            "reconnect_time_wait": 0.5,
-            "connect_timeout": 2,
-            "drain_timeout": 5,
-            "disconnected_cb": self._on_disconnect,
-            "reconnected_cb": self._on_reconnect,
-            "error_cb": self._on_error,
-            "user": s.nats_user,
-            "password": s.nats_password,
-            "token": s.nats_token,
-        }
-        if s.nats_creds_file:
-            options["user_credentials"] = str(s.nats_creds_file)
-        if s.nats_tls_ca_file or s.nats_tls_cert_file:
-            tls = ssl.create_default_context(cafile=str(s.nats_tls_ca_file) if s.nats_tls_ca_file else None)
-            if s.nats_tls_cert_file and s.nats_tls_key_file:
-                tls.load_cert_chain(str(s.nats_tls_cert_file), str(s.nats_tls_key_file))
-            options["tls"] = tls
-        return {k: v for k, v in options.items() if v is not None}
+        return await connect(self.settings, url, self.service, disconnected_cb=self._on_disconnect,
+                             reconnected_cb=self._on_reconnect, error_cb=self._on_error)
 
     async def _on_disconnect(self) -> None:
         self.metrics.connected.set(0)
@@ -391,6 +363,11 @@ class Runtime:
             raise BusError(f"publish to {event.subject()} failed: {type(error).__name__}") from None
         self.metrics.published.labels("duplicate" if ack.duplicate else "stored").inc()
 
+    async def kv_keys(self, bucket: str, match: str = ">") -> list[str]:
+        """Keys of a provisioned bucket matching a subject pattern (`pod.>`); see `kv_keys`."""
+        self.kv(bucket)
+        return await kv_keys(self._jetstream(), bucket, match)
+
     def kv(self, bucket: str) -> KeyValue:
         """A KV bucket named at construction (provisioned on start)."""
         if bucket not in self._kv:
@@ -410,6 +387,66 @@ class Runtime:
         if self._js is None:
             raise BusError("runtime not started")
         return self._js
+
+
+def connect_options(settings: BusSettings, url: str, name: str, **callbacks: Callable[..., Awaitable[None]]) -> dict[str, Any]:
+    """nats.connect() options for `url` (one server or a comma-separated list) with the configured auth and TLS.
+
+    Every entry point (services, `dev`, `events`) connects through here, so all accept the same settings.
+    """
+    s = settings
+    options: dict[str, Any] = {
+        "servers": nats_servers(url),
+        "name": name,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.5,
+        "connect_timeout": 2,
+        "drain_timeout": 5,
+        "user": s.nats_user,
+        "password": s.nats_password,
+        "token": s.nats_token,
+        **callbacks,
+    }
+    if s.nats_creds_file:
+        options["user_credentials"] = str(s.nats_creds_file)
+    if s.nats_tls_ca_file or s.nats_tls_cert_file:
+        tls = ssl.create_default_context(cafile=str(s.nats_tls_ca_file) if s.nats_tls_ca_file else None)
+        if s.nats_tls_cert_file and s.nats_tls_key_file:
+            tls.load_cert_chain(str(s.nats_tls_cert_file), str(s.nats_tls_key_file))
+        options["tls"] = tls
+    return {k: v for k, v in options.items() if v is not None}
+
+
+async def connect(settings: BusSettings, url: str, name: str, **callbacks: Callable[..., Awaitable[None]]) -> NatsClient:
+    """A connection that reconnects for ever once made; BusError if the first one is not made in time."""
+    if "error_cb" not in callbacks:
+        # nats-py's default prints a traceback for every failed reconnect attempt.
+        callbacks["error_cb"] = _log_client_error
+    try:
+        # With unlimited reconnects nats-py keeps retrying the first connection too; bound it here.
+        return await asyncio.wait_for(nats.connect(**connect_options(settings, url, name, **callbacks)), settings.nats_connect_timeout_s)
+    except (OSError, nats.errors.Error, asyncio.TimeoutError) as error:
+        raise BusError(f"cannot reach NATS at {url} within {settings.nats_connect_timeout_s:g}s: {type(error).__name__}") from None
+
+
+async def _log_client_error(error: Exception) -> None:
+    log.debug("NATS client error", extra={"error": repr(error)})
+
+
+async def kv_keys(js: JetStreamContext, bucket: str, match: str = ">") -> list[str]:
+    """Keys of `bucket` matching the subject pattern `match`, sorted, without creating a consumer.
+
+    nats-py's `KeyValue.keys()` creates an ordered consumer that lingers on the server for five
+    minutes after each call; the stream's per-subject counts answer the same question with no
+    server state. Keys deleted or purged still appear (their marker is the last message), so
+    callers read each key and skip the KeyNotFoundError. BusError if NATS does not answer.
+    """
+    prefix = f"$KV.{bucket}."
+    try:
+        info = await js.stream_info(f"KV_{bucket}", subjects_filter=prefix + match)
+    except (nats.errors.Error, asyncio.TimeoutError) as error:
+        raise BusError(f"cannot list keys of KV bucket {bucket!r}: {type(error).__name__}") from None
+    return sorted(subject[len(prefix):] for subject in (info.state.subjects or {}))
 
 
 async def provision_stream(js: JetStreamContext, settings: BusSettings) -> None:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from .errors import BusError
-from .settings import BusSettings
+from .settings import BusSettings, nats_servers
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,9 @@ class EmbeddedNats:
 
 @contextlib.asynccontextmanager
 async def bus_url(settings: BusSettings) -> AsyncIterator[str]:
-    """The configured NATS URL, or a private embedded server for the duration of the block."""
+    """The configured NATS URL (one or several, comma separated), or a private embedded server for the block."""
     if settings.nats_url:
+        nats_servers(settings.nats_url)  # a malformed list is a clear ConfigError here, not a crash later
         yield settings.nats_url
         return
     with tempfile.TemporaryDirectory(prefix="kai-isolator-nats-") as store:

@@ -39,9 +39,18 @@ class BusSettings(_Settings):
     backoff_max_s: float = Field(30.0, gt=0, description="cap of the retry delay")
     fetch_batch: int = Field(64, ge=1, le=1024)
     request_timeout_s: float = Field(5.0, gt=0)
+    jetstream_timeout_s: float = Field(5.0, gt=0, description="a JetStream or KV call gives up after this long (e.g. while NATS is away)")
 
     def urls(self) -> list[str]:
-        return [u.strip() for u in (self.nats_url or "").split(",") if u.strip()]
+        return nats_servers(self.nats_url) if self.nats_url else []
+
+
+def nats_servers(url: str) -> list[str]:
+    """The servers in a NATS URL setting: one URL or several, comma separated (a cluster's seeds)."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise ConfigError(f"expected one or more NATS URLs, comma separated (nats://a:4222,nats://b:4222), got {url!r}")
+    return servers
 
 
 class ProbeSettings(_Settings):

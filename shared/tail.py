@@ -5,22 +5,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-import nats
+import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from . import subjects
+from .bus import connect
 from .errors import ConfigError, DecodeError
-from .settings import parse_duration
 from .events import Envelope, Payload, decode
+from .settings import BusSettings, parse_duration
 
 log = logging.getLogger(__name__)
+
 
 def parse_since(value: str, now: datetime | None = None) -> datetime:
     """`10m`, `90s`, `2h`, `1d` ago, or an ISO-8601 instant."""
@@ -45,44 +47,135 @@ class Received:
     error: str | None = None
 
 
-async def follow(url: str, subject: str = subjects.ALL_EVENTS, since: datetime | None = None) -> AsyncIterator[Received]:
-    """Yield events on `subject`, replaying from `since` if given, then live ones, forever."""
-    nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.5, name="kai-isolator-events")
+async def follow(url: str, subject: str = subjects.ALL_EVENTS, since: datetime | None = None,
+                 settings: BusSettings | None = None) -> AsyncIterator[Received]:
+    """Yield events on `subject`, replaying from `since` if given, then live ones, forever.
+
+    `url` is one NATS URL or several, comma separated. Each event is yielded once, in stream
+    order, through NATS restarts and lost consumers.
+    """
+    settings = settings or BusSettings()
+    nc = await connect(settings, url, "kai-isolator-events")
+    follower = _Follower(nc.jetstream(timeout=settings.jetstream_timeout_s), subject)
     try:
-        js = nc.jetstream()
-        queue: asyncio.Queue[Received] = asyncio.Queue()
+        await follower.start(since)
+        while True:
+            for msg in await follower.next_batch():
+                yield _received(msg)
+    finally:
+        await follower.close()
+        with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+            await nc.drain()
 
-        async def on_message(msg: Msg) -> None:
-            try:
-                envelope, payload = decode(msg.data)
-                await queue.put(Received(msg.subject, msg.data, envelope, payload))
-            except DecodeError as error:
-                await queue.put(Received(msg.subject, msg.data, error=str(error)))
 
+def _received(msg: Msg) -> Received:
+    try:
+        envelope, payload = decode(msg.data)
+    except DecodeError as error:
+        return Received(msg.subject, msg.data, error=str(error))
+    return Received(msg.subject, msg.data, envelope, payload)
+
+
+class _Follower:
+    """An ephemeral pull consumer that this reader positions itself, by stream sequence.
+
+    nats-py's ordered consumer cannot be used here: when it re-creates a lost consumer it
+    keeps the start time and adds a start sequence, which the server rejects, so a reader
+    started with `since` never resumes. Here the last delivered sequence is ours, and a lost
+    consumer (NATS restarted, or it was reaped) is created again just after it.
+    """
+
+    FETCH_WAIT_S = 1.0  # how long one pull waits for new events before the consumer is checked
+    INACTIVE_S = 60.0  # the server removes the consumer this long after the reader is gone
+
+    def __init__(self, js: JetStreamContext, subject: str) -> None:
+        self.js = js
+        self.subject = subject
+        self.last_sequence = 0
+        self._sub: JetStreamContext.PullSubscription | None = None
+        self._consumer: str | None = None
+
+    async def start(self, since: datetime | None) -> None:
         if since is None:
-            policy, config = DeliverPolicy.NEW, None
+            policy, start = DeliverPolicy.NEW, {}
         else:
             policy = DeliverPolicy.BY_START_TIME
-            config = ConsumerConfig(opt_start_time=since.astimezone(timezone.utc).isoformat().replace("+00:00", "Z"))
-        await _subscribe_when_stream_exists(js, subject, on_message, policy, config)
+            start = {"opt_start_time": since.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")}
+        await self._create(policy, start)
+
+    async def _create(self, policy: DeliverPolicy, start: dict[str, object]) -> None:
+        """Create the consumer, waiting for the stream (a fresh server has none until a service starts)."""
+        config = ConsumerConfig(
+            deliver_policy=policy, ack_policy=AckPolicy.NONE, filter_subject=self.subject,
+            mem_storage=True, num_replicas=1, inactive_threshold=self.INACTIVE_S, **start,  # type: ignore[arg-type]
+        )
+        announced = False
         while True:
-            yield await queue.get()
-    finally:
-        await nc.drain()
-
-
-async def _subscribe_when_stream_exists(js: JetStreamContext, subject: str, callback: Callable[[Msg], Awaitable[None]], policy: DeliverPolicy, config: ConsumerConfig | None) -> None:
-    """A fresh server has no stream until the first service starts; wait for it rather than fail."""
-    announced = False
-    while True:
-        try:
-            await js.subscribe(subject, cb=callback, ordered_consumer=True, deliver_policy=policy, config=config, stream=subjects.STREAM_NAME)
-            return
-        except nats.js.errors.NotFoundError:
-            if not announced:
-                log.info("event stream does not exist yet; waiting for a service to create it", extra={"stream": subjects.STREAM_NAME})
-                announced = True
+            try:
+                info = await self.js.add_consumer(subjects.STREAM_NAME, config)
+                break
+            except nats.js.errors.NotFoundError:
+                if not announced:
+                    log.info("event stream does not exist yet; waiting for a service to create it", extra={"stream": subjects.STREAM_NAME})
+                    announced = True
+            except (nats.errors.Error, asyncio.TimeoutError) as error:
+                log.debug("cannot create the event consumer yet", extra={"error": repr(error)})
             await asyncio.sleep(1.0)
+        if policy is not DeliverPolicy.BY_START_SEQUENCE:
+            # The server reports the sequence just before where it starts: our position from now on.
+            self.last_sequence = info.delivered.stream_seq
+        self._consumer = info.name
+        self._sub = await self.js.pull_subscribe_bind(consumer=info.name, stream=subjects.STREAM_NAME)
+
+    async def _recreate(self) -> None:
+        log.info("event consumer lost; resuming after the last event read", extra={"sequence": self.last_sequence})
+        await self._drop_subscription()
+        await self._create(DeliverPolicy.BY_START_SEQUENCE, {"opt_start_seq": self.last_sequence + 1})
+
+    async def next_batch(self) -> list[Msg]:
+        """The next events after the last one returned (waits for them)."""
+        assert self._sub is not None
+        while True:
+            try:
+                batch = await self._sub.fetch(64, timeout=self.FETCH_WAIT_S)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                # Quiet, or NATS is away: make sure the consumer still exists before waiting again.
+                if not await self._consumer_exists():
+                    await self._recreate()
+                continue
+            except nats.js.errors.ServiceUnavailableError:
+                await self._recreate()  # nobody serves the consumer's pull subject: it is gone
+                continue
+            except nats.errors.Error as error:
+                log.debug("fetch failed; retrying", extra={"error": repr(error)})
+                await asyncio.sleep(0.5)
+                continue
+            fresh = [m for m in batch if m.metadata.sequence.stream > self.last_sequence]
+            if fresh:
+                self.last_sequence = fresh[-1].metadata.sequence.stream
+                return fresh
+
+    async def _consumer_exists(self) -> bool:
+        assert self._consumer is not None
+        try:
+            await self.js.consumer_info(subjects.STREAM_NAME, self._consumer)
+        except nats.js.errors.NotFoundError:
+            return False
+        except (nats.errors.Error, asyncio.TimeoutError):
+            return True  # cannot tell while NATS is away; ask again after the next pull
+        return True
+
+    async def _drop_subscription(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(nats.errors.Error, ValueError):
+                await self._sub.unsubscribe()
+        self._sub = None
+
+    async def close(self) -> None:
+        await self._drop_subscription()
+        if self._consumer is not None:
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                await self.js.delete_consumer(subjects.STREAM_NAME, self._consumer)
 
 
 def render_line(item: Received, as_json: bool) -> str:

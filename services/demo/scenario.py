@@ -282,7 +282,7 @@ async def kubernetes(kubeconfig: Path) -> AsyncIterator[client.ApiClient]:
 
 
 async def run_demo(ctx: DevContext) -> int:
-    print("kai-isolator demo: sandbox API, webhook, watcher, node agent, verifier on an embedded NATS", flush=True)
+    print(f"kai-isolator demo: sandbox API, webhook, watcher, node agent, verifier on {ctx.nats_description}", flush=True)
     async with kubernetes(Path(ctx.values["kubeconfig"])) as api, BusLog(ctx.nats_url) as bus:
         demo = Demo(ctx, api, bus)
         try:

@@ -1,7 +1,7 @@
 """The verifier's handlers: running pod -> ask its node agent -> verdict on the bus, in KV and on the pod.
 
-Pods to re-verify and the last observation per container live in a KV bucket, so a restart
-repeats no verdict and forgets no pod.
+Pods to re-verify, the last observation per container and negative looks awaiting a second
+one live in a KV bucket, so a restart repeats no verdict and forgets no pod.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import contextlib
 import logging
 import time
 
-from nats.js.errors import KeyNotFoundError, NoKeysError
+import nats.errors
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Histogram
 from pydantic import BaseModel
@@ -36,6 +37,10 @@ class NoProcessSeen(NotObservableYet):
     """The node agent answered, and found no process of the container."""
 
 
+# What a pass over the tracked pods may meet while NATS is away or restarting: logged, retried next pass.
+BUS_FAILURES = (IsolatorError, nats.errors.Error, asyncio.TimeoutError)
+
+
 class UnseenRecord(BaseModel):
     """Inspections in a row that found no process of a container, since when (epoch seconds)."""
 
@@ -46,6 +51,13 @@ class UnseenRecord(BaseModel):
 class VerdictRecord(BaseModel):
     observation: str
     verdict: str
+
+
+class PendingRecord(BaseModel):
+    """A negative observation from one look inside a container, since when (epoch seconds)."""
+
+    observation: str
+    since: float
 
 
 class Verifier:
@@ -60,6 +72,8 @@ class Verifier:
         registry = runtime.metrics.registry
         self.verdicts = Counter("kai_isolator_verdicts", "Verdicts emitted, by verdict and reason", ["verdict", "reason"], registry=registry)
         self.latency = Histogram("kai_isolator_verification_seconds", "From inspection request to verdict", registry=registry)
+        self.passes = Counter("kai_isolator_reverify_passes", "Periodic re-verification passes, by outcome (ok, failed)", ["outcome"], registry=registry)
+        self.deferred = Counter("kai_isolator_verdicts_deferred", "Negative observations held for a second look before any verdict", registry=registry)
 
     def bind(self) -> None:
         self.runtime.on_event("pods", subjects.ALL_PODS, self.on_pod)
@@ -92,12 +106,23 @@ class Verifier:
     # --- verification ---------------------------------------------------------------------
 
     async def verify(self, pod: PodIsolation) -> HealthVerdict | None:
-        """Emit the verdict for this pod unless this exact observation was already emitted."""
+        """Emit the verdict for this pod unless this exact observation was already emitted.
+
+        A negative verdict from one look inside the container is held until a second look, at
+        least `confirm_negative_after_s` later, sees the same: a container being set up (its
+        set-up process already in the pod's cgroup, the preload not yet mounted) is not yet
+        what it will run as. None when nothing was emitted.
+        """
         started = time.perf_counter()
-        judgement = judge_without_inspection(pod) or await self._judge_inspected(pod)
+        judgement, one_look = judge_without_inspection(pod), False
+        if judgement is None:
+            judgement, one_look = await self._judge_inspected(pod)
         container = pod.container or ""
         key = self._verdict_key(pod)
         if await self._last_observation(key) == judgement.observation:
+            await self._drop_pending(pod)
+            return None
+        if one_look and judgement.verdict != "verified" and not await self._seen_twice(pod, judgement):
             return None
         verdict = HealthVerdict(
             pod=pod.pod, node_name=pod.node_name or "", container=container,
@@ -106,6 +131,7 @@ class Verifier:
         await self.runtime.publish(verdict)
         await self._tell_kubernetes(verdict)
         await self._kv.put(key, VerdictRecord(observation=judgement.observation, verdict=judgement.verdict).model_dump_json().encode())
+        await self._drop_pending(pod)
         self._count(judgement)
         self.latency.observe(time.perf_counter() - started)
         log.info("verdict", extra={"pod": f"{pod.pod.namespace}/{pod.pod.name}", "verdict": verdict.verdict,
@@ -113,11 +139,39 @@ class Verifier:
         return verdict
 
     @staticmethod
+    def _pending_key(pod: PodIsolation) -> str:
+        return f"pending.{pod.pod.uid}.{pod.container or '-'}"
+
+    async def _pending(self, pod: PodIsolation) -> PendingRecord | None:
+        try:
+            entry = await self._kv.get(self._pending_key(pod))
+            return PendingRecord.model_validate_json(entry.value or b"")
+        except (KeyNotFoundError, ValueError):
+            return None
+
+    async def _seen_twice(self, pod: PodIsolation, judgement: Judgement) -> bool:
+        """True on the second look that sees this negative observation late enough; else remember this look."""
+        pending = await self._pending(pod)
+        if pending is not None and pending.observation == judgement.observation:
+            return time.time() - pending.since >= self.settings.confirm_negative_after_s
+        await self._kv.put(self._pending_key(pod), PendingRecord(observation=judgement.observation, since=time.time()).model_dump_json().encode())
+        self.deferred.inc()
+        log.info("negative observation held for a second look", extra={
+            "pod": f"{pod.pod.namespace}/{pod.pod.name}", "verdict": judgement.verdict,
+            "reasons": ",".join(r.code for r in judgement.reasons), "confirm_after_s": self.settings.confirm_negative_after_s})
+        return False
+
+    async def _drop_pending(self, pod: PodIsolation) -> None:
+        if await self._pending(pod) is not None:
+            await self._kv.purge(self._pending_key(pod))
+
+    @staticmethod
     def _verdict_key(pod: PodIsolation) -> str:
         return f"verdict.{pod.pod.uid}.{pod.container or '-'}"
 
-    async def _judge_inspected(self, pod: PodIsolation) -> Judgement:
-        """The verdict from the node agent's view; `unobservable` once it kept finding nothing."""
+    async def _judge_inspected(self, pod: PodIsolation) -> tuple[Judgement, bool]:
+        """The verdict from the node agent's view, and whether it rests on this one look;
+        `unobservable` (already many looks) once the agent kept finding nothing."""
         key = f"unseen.{pod.pod.uid}.{pod.container or '-'}"
         try:
             reply = await self._inspect(pod)
@@ -125,12 +179,12 @@ class Verifier:
             unseen = await self._count_unseen(key)
             wanted, after = self.settings.unobservable_inspections, self.settings.unobservable_after_s
             if unseen.count >= wanted and time.time() - unseen.since >= after:
-                return judge_unobservable(pod, wanted, after)
+                return judge_unobservable(pod, wanted, after), False
             raise
         with contextlib.suppress(KeyNotFoundError):
             if (await self._kv.get(key)).value:
                 await self._kv.purge(key)  # seen again: the count starts over
-        return judge(pod, reply, self.library_path)
+        return judge(pod, reply, self.library_path), True
 
     async def _count_unseen(self, key: str) -> UnseenRecord:
         try:
@@ -183,7 +237,7 @@ class Verifier:
     async def _forget(self, pod: PodIsolation) -> None:
         # The tombstone stops a late redelivery of the pod's `running` event from reviving it.
         await self._kv.put(f"gone.{pod.pod.uid}", b"")
-        for key in (f"pod.{pod.pod.uid}", self._verdict_key(pod), f"unseen.{pod.pod.uid}.{pod.container or '-'}"):
+        for key in (f"pod.{pod.pod.uid}", self._verdict_key(pod), f"unseen.{pod.pod.uid}.{pod.container or '-'}", self._pending_key(pod)):
             with contextlib.suppress(KeyNotFoundError):
                 await self._kv.purge(key)
 
@@ -195,35 +249,46 @@ class Verifier:
         return True
 
     async def tracked_pods(self) -> list[PodIsolation]:
-        try:
-            keys = await self._kv.keys()
-        except NoKeysError:
-            return []
+        """The pods to re-verify (BusError or a NATS error while the bus is away)."""
         pods = []
-        for key in keys:
-            if key.startswith("pod."):
-                with contextlib.suppress(KeyNotFoundError):
-                    entry = await self._kv.get(key)
-                    if entry.value:
-                        pods.append(PodIsolation.model_validate_json(entry.value))
+        for key in await self.runtime.kv_keys(self.settings.health_bucket, "pod.>"):
+            with contextlib.suppress(KeyNotFoundError):  # forgotten since the listing (purged keys are listed)
+                entry = await self._kv.get(key)
+                if entry.value:
+                    pods.append(PodIsolation.model_validate_json(entry.value))
         return pods
 
     async def reverify_forever(self) -> None:
-        """Every pod each `reverify_s`; pods without a verdict yet (agent was silent) each `pending_retry_s`."""
+        """Every pod each `reverify_s`; pods without a verdict yet (agent was silent) or with a
+        negative look awaiting its second one each `pending_retry_s`. A pass that fails (NATS
+        away) is logged and counted, and the next one runs on time: this loop never ends early."""
         tick = min(self.settings.reverify_s, self.settings.pending_retry_s)
         since_full = 0.0
         while True:
             await asyncio.sleep(tick)
             since_full += tick
             full = since_full >= self.settings.reverify_s
+            try:
+                await self._reverify_pass(full)
+            except BUS_FAILURES as error:
+                self.passes.labels("failed").inc()
+                log.warning("re-verification pass failed; retrying next pass", extra={"full": full, "error": f"{type(error).__name__}: {error}"})
+                continue
+            except Exception:  # noqa: BLE001 - a bug in one pass must not end re-verification for good
+                self.passes.labels("failed").inc()
+                log.exception("re-verification pass failed unexpectedly; retrying next pass")
+                continue
+            self.passes.labels("ok").inc()
             if full:
-                since_full = 0.0
-            for pod in await self.tracked_pods():
-                if full or await self._last_observation(self._verdict_key(pod)) is None:
-                    await self._verify_logged(pod)
+                since_full = 0.0  # only a completed full pass resets the clock: a failed one is redone next tick
+
+    async def _reverify_pass(self, full: bool) -> None:
+        for pod in await self.tracked_pods():
+            if full or await self._last_observation(self._verdict_key(pod)) is None or await self._pending(pod) is not None:
+                await self._verify_logged(pod)
 
     async def _verify_logged(self, pod: PodIsolation) -> None:
         try:
             await self.verify(pod)
-        except IsolatorError as error:
-            log.warning("re-verification deferred", extra={"pod": f"{pod.pod.namespace}/{pod.pod.name}", "error": str(error)})
+        except BUS_FAILURES as error:
+            log.warning("re-verification deferred", extra={"pod": f"{pod.pod.namespace}/{pod.pod.name}", "error": f"{type(error).__name__}: {error}"})

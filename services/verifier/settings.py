@@ -25,4 +25,6 @@ class VerifierSettings(BaseSettings):
     inspect_timeout_s: float = Field(5.0, gt=0)
     unobservable_inspections: int = Field(3, ge=1, description="a Running container with no process in this many inspections ...")
     unobservable_after_s: float = Field(30.0, ge=0, description="... spanning at least this long is `degraded: unobservable`")
+    confirm_negative_after_s: float = Field(2.0, ge=0, description="a missing or degraded verdict from one look inside a container "
+                                            "is issued only when a second look this much later sees the same")
     health_bucket: str = Field("isolator-pod-health", pattern=r"^[A-Za-z0-9_-]+$")

@@ -164,6 +164,21 @@ async def test_kv_state_survives_a_runtime_restart(start_runtime: RuntimeFactory
         second.kv("other")
 
 
+async def test_kv_keys_lists_by_pattern_and_leaves_no_consumer(start_runtime: RuntimeFactory) -> None:
+    runtime = await start_runtime("svc", kv_buckets=["pod-state"])
+    assert await runtime.kv_keys("pod-state") == []  # an empty bucket is an empty list, not an error
+    kv = runtime.kv("pod-state")
+    for key in ("pod.a", "pod.b", "gone.a", "verdict.a.main"):
+        await kv.put(key, b"x")
+    for _ in range(5):
+        assert await runtime.kv_keys("pod-state", "pod.>") == ["pod.a", "pod.b"]
+    assert await runtime.kv_keys("pod-state") == ["gone.a", "pod.a", "pod.b", "verdict.a.main"]
+    info = await runtime.jetstream.stream_info("KV_pod-state")
+    assert info.state.consumer_count == 0  # nats-py's kv.keys() leaves one behind per call, for five minutes
+    with pytest.raises(BusError, match="not provisioned"):
+        await runtime.kv_keys("other")
+
+
 async def test_request_reply_returns_typed_reply_or_a_clear_error(start_runtime: RuntimeFactory) -> None:
     async def inspect(request: InspectRequest) -> InspectReply:
         if request.container == "boom":

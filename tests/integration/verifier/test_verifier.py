@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import pytest
 
@@ -12,6 +12,7 @@ from kai_isolator.services.verifier.service import Verifier
 from kai_isolator.services.verifier.settings import VerifierSettings
 from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import Runtime
+from kai_isolator.shared.errors import BusError
 from kai_isolator.shared.events import (
     DeviceUsage, HealthVerdict, InspectReply, InspectRequest, NodeStatus, PodIsolation, PodRef, ProcessReport,
 )
@@ -34,11 +35,17 @@ class ScriptedAgent:
     def __init__(self) -> None:
         self.limits: dict[str, str | None] = {}
         self.requests: list[InspectRequest] = []
+        self.setting_up: dict[str, int] = {}  # pod -> how many more looks find only its set-up process
 
     async def inspect(self, request: InspectRequest) -> InspectReply:
         self.requests.append(request)
         if request.pod.name not in self.limits:
             return InspectReply(node_name=request.node_name, pod=request.pod, container=request.container, found=False, message="no such process")
+        if self.setting_up.get(request.pod.name, 0) > 0:
+            # As a runtime's set-up process is seen: in the pod's cgroup with its environment, the preload not yet mounted.
+            self.setting_up[request.pod.name] -= 1
+            setup = ProcessReport(pid=99, preload=None, library_mapped=False, memory_limit_env=self.limits[request.pod.name])
+            return InspectReply(node_name=request.node_name, pod=request.pod, container=request.container, found=True, processes=[setup])
         process = ProcessReport(pid=100, preload=LIB, library_mapped=True, library_version="v1", memory_limit_env=self.limits[request.pod.name])
         device = DeviceUsage(index=0, uuid="GPU-0", limit_bytes=GRANTED, used_bytes=1 << 30)
         return InspectReply(node_name=request.node_name, pod=request.pod, container=request.container, found=True, processes=[process], devices=[device])
@@ -64,7 +71,7 @@ async def agent(start_runtime: RuntimeFactory) -> ScriptedAgent:
 
 @pytest.fixture
 async def verifier(bus_settings: BusSettings) -> AsyncIterator[Verifier]:
-    settings = VerifierSettings(kubernetes_events=False, reverify_s=3600, pending_retry_s=0.5, inspect_timeout_s=1)
+    settings = VerifierSettings(kubernetes_events=False, reverify_s=3600, pending_retry_s=0.5, inspect_timeout_s=1, confirm_negative_after_s=0.2)
     async with running(settings, bus_settings, bus_settings.nats_url or "") as started:
         yield started
 
@@ -118,7 +125,7 @@ async def test_same_observation_is_never_emitted_twice_even_across_a_restart(
 ) -> None:
     agent.limits["p1"] = "4147m"
     publisher = await start_runtime("watcher-stand-in")
-    settings = VerifierSettings(kubernetes_events=False, reverify_s=3600, inspect_timeout_s=1)
+    settings = VerifierSettings(kubernetes_events=False, reverify_s=3600, inspect_timeout_s=1, confirm_negative_after_s=0)
     async with running(settings, bus_settings, bus_settings.nats_url or "") as first:
         await publisher.publish(pod_event("p1"))
         await eventually(lambda: len(verdicts) == 1)
@@ -129,6 +136,7 @@ async def test_same_observation_is_never_emitted_twice_even_across_a_restart(
         for pod in await second.tracked_pods():
             await second.verify(pod)
         agent.limits["p1"] = "2g"  # then something really changes
+        assert await second.verify(pod_event("p1")) is None  # a negative first look waits for a second one
         await second.verify(pod_event("p1"))
         await eventually(lambda: len(verdicts) == 2)
     await asyncio.sleep(0.3)
@@ -147,7 +155,8 @@ async def test_library_version_change_on_a_node_reverifies_its_pods(
     agent.limits["p1"] = "1g"
     await publisher.publish(NodeStatus(node_name="gpu-1", sequence=2, ready=True, active_version="v2"))
     await eventually(lambda: len(verdicts) == 2)
-    assert len(agent.requests) == asked + 1 and verdicts[1].verdict == "degraded"
+    assert verdicts[1].verdict == "degraded"
+    assert len(agent.requests) >= asked + 2  # the version change's look, then the second look that confirmed it
 
 
 async def test_a_deleted_pod_is_forgotten_and_a_late_running_event_does_not_revive_it(
@@ -193,3 +202,96 @@ async def test_a_running_container_never_seen_is_unobservable_once(
 
 def settings_redeliveries(bus_settings: BusSettings) -> int:
     return bus_settings.max_deliver
+
+
+# --- under NATS faults and container set-up (issue 20) -----------------------------------
+
+
+def distinct(verdicts: Iterable[HealthVerdict]) -> list[str]:
+    return [v.verdict for v in {v.observation: v for v in verdicts}.values()]
+
+
+async def publish_until_stored(runtime: Runtime, event: PodIsolation) -> None:
+    """At-least-once publishing through the end of an outage; the Nats-Msg-Id makes a retry harmless."""
+    while True:
+        try:
+            await runtime.publish(event)
+            return
+        except BusError:
+            await asyncio.sleep(0.1)
+
+
+def sample(verifier: Verifier, name: str, **labels: str) -> float:
+    return verifier.runtime.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_reverification_keeps_going_through_a_nats_crash_and_restart(
+    agent: ScriptedAgent, bus_settings: BusSettings, nats_server, start_runtime: RuntimeFactory, verdicts: list[HealthVerdict]  # type: ignore[no-untyped-def]
+) -> None:
+    agent.limits["p1"] = "4147m"
+    settings = VerifierSettings(kubernetes_events=False, reverify_s=0.3, pending_retry_s=0.3, inspect_timeout_s=1, confirm_negative_after_s=0.2)
+    async with running(settings, bus_settings, bus_settings.nats_url or "") as verifier:
+        publisher = await start_runtime("watcher-stand-in")
+        await publisher.publish(pod_event("p1"))
+        await eventually(lambda: [v.verdict for v in verdicts] == ["verified"])
+
+        nats_server.kill()  # SIGKILL: the verifier's KV calls time out while it is away
+        await eventually(lambda: sample(verifier, "kai_isolator_bus_connected") == 0)
+        # Longer than the JetStream timeout (5s, the default of jetstream_timeout_s), so a pass's KV
+        # call really times out rather than being answered once the server is back.
+        await asyncio.sleep(6.0)
+        nats_server.start()  # same port, same store
+
+        # Acks may die with the server, so p1's event may come again (at-least-once); a later pod's
+        # verdict shows the verifier has worked through it, in stream order.
+        agent.limits["p2"] = "4147m"
+        await publish_until_stored(publisher, pod_event("p2"))
+        await eventually(lambda: "p2" in {v.pod.name for v in verdicts}, timeout_s=30)
+        agent.limits["p1"] = "2g"  # from now on only a re-verification can notice a change in p1
+        await eventually(lambda: distinct(v for v in verdicts if v.pod.name == "p1") == ["verified", "degraded"], timeout_s=30)
+        assert sample(verifier, "kai_isolator_reverify_passes_total", outcome="failed") >= 1  # the outage was met ...
+        ok = sample(verifier, "kai_isolator_reverify_passes_total", outcome="ok")
+        await eventually(lambda: sample(verifier, "kai_isolator_reverify_passes_total", outcome="ok") > ok)  # ... and passes go on
+
+
+async def test_a_container_still_being_set_up_is_never_judged_missing(
+    agent: ScriptedAgent, start_runtime: RuntimeFactory, verifier: Verifier, verdicts: list[HealthVerdict]
+) -> None:
+    agent.limits["starting"] = "4147m"
+    agent.setting_up["starting"] = 1  # the first look lands in the moment before the preload mount
+    publisher = await start_runtime("watcher-stand-in")
+    await publisher.publish(pod_event("starting"))
+    await eventually(lambda: len(verdicts) == 1, timeout_s=15)
+    assert [v.verdict for v in verdicts] == ["verified"]
+    assert agent.setting_up["starting"] == 0 and len(agent.requests) >= 2  # the set-up process was seen, and not judged
+    assert sample(verifier, "kai_isolator_verdicts_deferred_total") == 1
+
+
+async def test_a_negative_look_seen_again_is_issued_once(
+    agent: ScriptedAgent, start_runtime: RuntimeFactory, verifier: Verifier, verdicts: list[HealthVerdict]
+) -> None:
+    agent.limits["no-preload"] = "4147m"
+    agent.setting_up["no-preload"] = 1000  # never gets its preload: a real `missing`
+    publisher = await start_runtime("watcher-stand-in")
+    await publisher.publish(pod_event("no-preload"))
+    await eventually(lambda: len(verdicts) == 1, timeout_s=15)
+    [verdict] = verdicts
+    assert verdict.verdict == "missing" and [r.code for r in verdict.reasons] == ["no-preload"]
+    assert len(agent.requests) >= 2  # issued on the second look, not the first
+    for tracked in await verifier.tracked_pods():
+        assert await verifier.verify(tracked) is None  # a later look that sees the same is never issued again
+    assert len(verdicts) == 1
+
+
+async def test_listing_tracked_pods_leaves_no_consumer_behind(
+    agent: ScriptedAgent, start_runtime: RuntimeFactory, verifier: Verifier, verdicts: list[HealthVerdict]
+) -> None:
+    agent.limits.update({"a": "4147m", "b": "4147m"})
+    publisher = await start_runtime("watcher-stand-in")
+    for name in ("a", "b"):
+        await publisher.publish(pod_event(name))
+    await eventually(lambda: len(verdicts) == 2)
+    for _ in range(5):
+        assert {p.pod.name for p in await verifier.tracked_pods()} == {"a", "b"}
+    bucket = await verifier.runtime.jetstream.stream_info("KV_isolator-pod-health")
+    assert bucket.state.consumer_count == 0
