@@ -271,7 +271,7 @@ class NodeAgent:
                     reported = poll.error
             except Exception:  # noqa: BLE001 - the enforcer must keep running
                 log.exception("enforcer round failed", extra={"node": self.node})
-            await asyncio.sleep(max(0.0, self.settings.enforce_interval_s - (time.monotonic() - began)))
+            await asyncio.sleep(self.enforcer.next_poll_in(self.settings.enforce_interval_s, time.monotonic() - began))
 
     async def _report_breach(self, target: enforce.Target, breach: Breach) -> None:
         """One breach, told once: the `breached` verdict, the IsolationBreached Event, the counter."""
