@@ -123,3 +123,26 @@ async def test_dev_runs_every_service_on_a_comma_separated_nats_url_and_says_whi
     rest, err = await asyncio.wait_for(process.communicate(), 30)
     assert process.returncode == 0, err.decode()
     assert b"kai-isolator dev: stopped" in rest and b"Traceback" not in err
+
+
+async def test_demo_completes_through_a_nats_crash_and_restart_on_a_url_list(
+    nats_server: EmbeddedNats, tmp_path: Path, cli: list[asyncio.subprocess.Process]
+) -> None:
+    servers = f"{nats_server.url},nats://127.0.0.1:{free_port()}"
+    demo = await start_cli(cli, "dev", "--demo", env={"KAI_ISOLATOR_NATS_URL": servers, "TMPDIR": str(tmp_path)})
+    assert demo.stdout is not None
+    out = []
+    while True:
+        line = (await asyncio.wait_for(demo.stdout.readline(), 120)).decode()
+        if not line:
+            break
+        out.append(line)
+        if line.startswith("kai-isolator demo:"):
+            assert f"on the NATS at {servers}" in line  # the banner names the NATS really used
+            nats_server.kill()  # SIGKILL while the demo's event reader and every service are on it
+            await asyncio.sleep(1.0)
+            nats_server.start()
+    text = "".join(out)
+    assert await demo.wait() == 0, text
+    assert "demo complete" in text and "VERIFIED" in text
+    assert "MISSING (no-preload" not in text and "gpu-sharing-demo: MISSING" not in text
