@@ -3,7 +3,8 @@
 A GPU-sharing pod (`gpu-memory: "4096"` on a 15360 MiB T4) is admitted, scheduled with
 `CUDA_DEVICE_MEMORY_LIMIT=4147m`, started as a real process in a private mount namespace
 allocating through the fake driver, and verified; then an opted-out pod and a pod admitted
-while the webhook was down are caught.
+while the webhook was down are caught; last, a tenant that bypasses the library with a raw
+driver lookup is killed by the node agent's enforcer while its neighbour keeps running.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kai_isolator.shared.events import AdmissionDecision, GrantDecision, HealthV
 from kai_isolator.shared.limits import parse_limit
 from kai_isolator.shared.tail import follow
 
-from .kubelet import CgroupPlacement, ContainerProcess, start_container
+from .kubelet import CgroupPlacement, ContainerProcess, new_container_id, start_container
 
 if TYPE_CHECKING:
     from kai_isolator.services.dev import DevContext
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 HAMI_BUILD = Path(__file__).resolve().parents[2] / "hami-core" / "build"
 CUDA_PROGRAM = HAMI_BUILD / "tests" / "cuprobe"  # a small CUDA driver client, stand-in for a training job
 NVIDIA_SMI = HAMI_BUILD / "tests" / "nvsmi"  # queries NVML as nvidia-smi does
+RAW_LOOKUP = HAMI_BUILD / "tests" / "rawelf"  # a tenant's bypass: cuMemAlloc_v2 found by a raw ELF lookup
 NAMESPACE = "default"
 WEBHOOK = "kai-resource-isolator"  # as registered by the sandbox's dev component
 NODE = "gpu-node-1"
@@ -114,6 +116,7 @@ class Demo:
         await self.isolated_pod()
         await self.opted_out_pod()
         await self.pod_admitted_while_webhook_down()
+        await self.library_bypassed()
 
     async def library_installed(self) -> None:
         status: NodeStatus = await self.bus.wait_for(
@@ -159,10 +162,30 @@ class Demo:
         container = await self.start(pod)
         await self.show_unenforced(container, limit)
         await self.verdict(pod, "missing")
+        await self.breached(pod)
         events = await self.core.list_namespaced_event(NAMESPACE)
         for event in events.items:
             if event.involved_object.name == pod["metadata"]["name"] and (event.reason or "").startswith("Isolation"):
                 say("kubectl", f"describe pod {pod['metadata']['name']}: {event.type} {event.reason} {event.message}")
+
+    async def library_bypassed(self) -> None:
+        print("\n4. a tenant bypasses the library with a raw lookup of the driver's cuMemAlloc_v2", flush=True)
+        neighbour = self.containers[0]  # the first pod's container, still holding its 1 GiB
+        pod = await self.create(demo_pod("bypass-demo", {}))
+        limit = await self.scheduled(pod)
+        await self.granted(pod)
+        past = parse_limit(limit) + GIB // 2
+        container = await self.start(pod, [str(RAW_LOOKUP), str(past)])
+        say("container", f"raw-ELF cuMemAlloc_v2 of {past / GIB:.2f} GiB (past {limit}): {self.result(await container.read_line())} "
+                         "(the library never saw the call)")
+        await self.breached(pod)
+        await asyncio.wait_for(container.process.wait(), 10)
+        for event in (await self.core.list_namespaced_event(NAMESPACE)).items:
+            if event.involved_object.name == "bypass-demo" and event.reason == "IsolationBreached":
+                say("kubectl", f"describe pod bypass-demo: {event.type} {event.reason} {event.message[:160]}...")
+        if neighbour.process.returncode is not None:
+            raise DemoFailed("the neighbour of the breaching pod stopped")
+        say("container", f"gpu-sharing-demo (same GPU): still running, pid {neighbour.pid}, its memory untouched")
 
     # --- steps ----------------------------------------------------------------------------
 
@@ -206,28 +229,57 @@ class Demo:
                          f"(from the {grant.source}, read-only at /etc/kai-isolator)")
         return grant
 
-    async def start(self, pod: dict[str, Any]) -> ContainerProcess:
+    async def start(self, pod: dict[str, Any], argv: list[str] | None = None) -> ContainerProcess:
         name = pod["metadata"]["name"]
-        current = await (await self.core.read_namespaced_pod(name, NAMESPACE, _preload_content=False)).json()
+        current = await self.report_container_id(name)
         container_spec = current["spec"]["containers"][0]
         configmaps = await self.configmaps(container_spec)
         limit = next((v[LIMIT_ENV] for v in configmaps.values() if LIMIT_ENV in v), "0")
-        argv = [str(CUDA_PROGRAM), "init", "ctx", "0", "alloc", str(GIB), "info", "alloc", str(self.over_limit_bytes(limit)),
-                "waitfile", str(self.scratch / f"{name}.stop")]
+        argv = argv or [str(CUDA_PROGRAM), "init", "ctx", "0", "alloc", str(GIB), "info", "alloc", str(self.over_limit_bytes(limit)),
+                        "waitfile", str(self.scratch / f"{name}.stop")]
         process = await start_container(
             current, container_spec, argv, configmaps=configmaps, host_root=Path(self.ctx.values["host_root"]),
-            scratch=self.scratch / name, extra_env={"LD_LIBRARY_PATH": str(HAMI_BUILD / "fake")}, placement=self.cgroups,
+            scratch=self.scratch / name, extra_env={"LD_LIBRARY_PATH": str(HAMI_BUILD / "fake"), **self.ctx.values.get("fake_driver_env", {})},
+            placement=self.cgroups,
         )
         self.containers.append(process)
         preload = (await process.exec(["sh", "-c", "cat /etc/ld.so.preload 2>/dev/null"])).strip() or "(none)"
         say("kubelet", f"{name}: container main started, pid {process.pid}, private mount namespace; /etc/ld.so.preload: {preload}")
         return process
 
+    async def breached(self, pod: dict[str, Any]) -> HealthVerdict:
+        """The node agent's enforcer: the driver's view of the pod above its grant, and what it did."""
+        name = pod["metadata"]["name"]
+        verdict: HealthVerdict = await self.bus.wait_for(
+            f"the enforcer's breached verdict on {name}", lambda e: isinstance(e, HealthVerdict) and e.pod.name == name and e.verdict == "breached")
+        if verdict.breach is None:
+            raise DemoFailed("a breached verdict without its breach")
+        killed = ", ".join(str(p.pid) for p in verdict.breach.processes if p.killed) or "none"
+        say("nodeagent", f"{name}: the driver (NVML) shows {verdict.breach.measured_bytes >> 20} MiB held, grant "
+                         f"{verdict.breach.grant_bytes >> 20} MiB: {verdict.breach.action} pid {killed}")
+        say("verdict", f"{name}: {verdict.verdict.upper()} ({', '.join(r.code for r in verdict.reasons)}), on isolator.health beside the verifier's")
+        return verdict
+
+    async def report_container_id(self, name: str) -> dict[str, Any]:
+        """As a kubelet does: the runtime's id of the container in the pod's status (the node agent
+        maps a process's kubelet cgroup to the container by it). Returns the pod as it now is."""
+        deadline = time.monotonic() + 30
+        while True:  # after the sandbox's node has marked it Running, so its own statuses do not replace ours
+            current = await (await self.core.read_namespaced_pod(name, NAMESPACE, _preload_content=False)).json()
+            if (current.get("status") or {}).get("phase") == "Running" or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        statuses = (current.get("status") or {}).get("containerStatuses") or [{"name": c["name"]} for c in current["spec"]["containers"]]
+        status = {**(current.get("status") or {}), "containerStatuses": [
+            {**s, "containerID": f"containerd://{new_container_id()}"} for s in statuses]}
+        patched = await self.core.patch_namespaced_pod_status(name, NAMESPACE, {"status": status}, _preload_content=False)
+        return await patched.json()
+
     async def verdict(self, pod: dict[str, Any], expected: str) -> HealthVerdict:
         """Wait for the pod's verdict; `verified` stands for what a healthy pod gets (see `healthy`)."""
         name = pod["metadata"]["name"]
         verdict: HealthVerdict = await self.bus.wait_for(
-            f"the verifier's verdict on {name}", lambda e: isinstance(e, HealthVerdict) and e.pod.name == name)
+            f"the verifier's verdict on {name}", lambda e: isinstance(e, HealthVerdict) and e.pod.name == name and e.verdict != "breached")
         reasons = ", ".join(r.code for r in verdict.reasons) or "preload active, library mapped, limit matches"
         say("verifier", f"{name}: {verdict.verdict.upper()} ({reasons})")
         wanted, codes = self.healthy(pod) if expected == "verified" else (expected, None)

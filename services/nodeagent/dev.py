@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ if TYPE_CHECKING:  # services.dev imports this module
 
 log = logging.getLogger(__name__)
 LIBRARY = Path(__file__).resolve().parents[2] / "hami-core" / "build" / "libvgpu.so"
+FAKE_NVML = LIBRARY.parent / "fake" / "libnvidia-ml.so.1"
 
 
 @contextlib.asynccontextmanager
@@ -27,8 +29,14 @@ async def component(ctx: DevContext) -> AsyncIterator[None]:
     if not libraries:
         log.warning("hami-core/build/libvgpu.so missing (run make -C hami-core); the agent starts with nothing to install")
     # The sandbox (started earlier) is this agent's API server: it writes grants for the pods bound to it.
+    # One node-wide fake-driver ledger for every demo container; the agent's enforcer reads it through the
+    # fake NVML loaded in this process (the real NVML needs neither).
+    ledger = ctx.workdir / "fake-driver.ledger"
+    os.environ["FAKE_CUDA_STATE"] = str(ledger)
+    ctx.values["fake_driver_env"] = {"FAKE_CUDA_STATE": str(ledger)}
     settings = NodeAgentSettings(node_name=node, host_root=root, library=libraries, status_interval_s=15, usage_interval_s=5,
-                                 kubeconfig=ctx.values.get("kubeconfig"))
+                                 kubeconfig=ctx.values.get("kubeconfig"), nvml_library=str(FAKE_NVML),
+                                 breach_tolerance_mib=0)  # the fake driver reserves nothing per context
     agent = NodeAgent(settings, ctx.bus, probe_listen="127.0.0.1:0")
     await agent.start(ctx.nats_url)
     ctx.values.update(node_name=node, host_root=root, nodeagent_metrics=f"{agent.runtime.probe_url}/metrics")
