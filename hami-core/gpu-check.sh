@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Real-GPU check for libvgpu.so: builds it, then with a limit verifies that allocations
 # past the limit fail, that nvidia-smi shows the limit and (if PyTorch is installed) that
-# torch.cuda.mem_get_info() agrees. Usage: hami-core/gpu-check.sh [LIMIT_MIB]  (default 1024)
+# torch.cuda.mem_get_info() agrees; then the enforcer's check: NVML's per-process view (by host
+# PID) sees a raw-ELF-lookup bypass past the limit that the library cannot, and the memory the
+# driver reserves per context (the enforcer's --breach-tolerance-mib) is printed.
+# Usage: hami-core/gpu-check.sh [LIMIT_MIB]  (default 1024)
 set -u
 cd "$(dirname "$0")"
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
@@ -55,6 +58,46 @@ PY
 else
     echo "SKIP PyTorch not installed"
 fi
+
+# The enforcer's view on the real driver: a process that bypasses the library (raw ELF lookup of
+# cuMemAlloc_v2) holds past the limit, and NVML's per-process figure shows it; the node agent's
+# reader (services/nodeagent/nvml.py) reads the same entry points with nvml.h's struct layouts.
+RAW=$PWD/build/gpu/rawelf
+gcc -O2 -I"$CUDA_HOME/include" -o "$RAW" tests/rawelf.c -L"$CUDA_HOME/lib64/stubs" -lcuda || exit 1
+REPO=$(cd .. && pwd)
+PY=${PYTHON:-$REPO/.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+LD_PRELOAD=$LIB "$PROBE" --path=link init ctx 0 hold 4000 > /dev/null &
+idle_pid=$!
+sleep 2
+idle_out=$("$PY" - "$idle_pid" <<'PY'
+import sys
+from kai_isolator.services.nodeagent.nvml import Nvml
+pid = int(sys.argv[1])
+held = [p.used_bytes for p in Nvml().snapshot().processes if p.pid == pid]
+print(f"context_bytes={held[0] if held else 'unseen'}")
+PY
+)
+wait "$idle_pid"
+echo "$idle_out (what the driver reserves for one bare context: size --breach-tolerance-mib by it)"
+past=$((LIMIT_BYTES + 512 * 1024 * 1024))
+LD_PRELOAD=$LIB "$RAW" "$past" 5000 > build/gpu/rawelf.out &
+raw_pid=$!
+sleep 2
+seen=$("$PY" - "$raw_pid" <<'PY'
+import sys
+from kai_isolator.services.nodeagent.nvml import Nvml
+pid = int(sys.argv[1])
+snap = Nvml().snapshot()
+held = [p.used_bytes for p in snap.processes if p.pid == pid]
+print(f"api={snap.api} held={held[0] if held else 0}")
+PY
+)
+wait "$raw_pid"
+echo "rawelf: $(head -1 build/gpu/rawelf.out); NVML: $seen"
+check "raw-ELF bypass gets past the library (the enforcer's job)" "rc=0" "$(grep -o 'rc=[0-9]*' build/gpu/rawelf.out | head -1)"
+held=$(echo "$seen" | sed 's/.*held=\([0-9]*\).*/\1/')
+check "NVML shows the bypass above the limit by host PID" "yes" "$([ "${held:-0}" -gt "$LIMIT_BYTES" ] && echo yes || echo "no ($seen)")"
 
 echo "failures=$failures"
 [ "$failures" -eq 0 ]
