@@ -20,7 +20,7 @@ async def component(ctx: DevContext) -> AsyncIterator[None]:
     runtime = Runtime("installer", ctx.bus, kv_buckets=[rollout.NODE_BUCKET, rollout.ROLLOUT_BUCKET])
     await runtime.start(ctx.nats_url)
     try:
-        statuses = await rollout.node_statuses(runtime.kv(rollout.NODE_BUCKET))
+        statuses = await rollout.node_statuses(runtime)
     finally:
         await runtime.stop()
     for node, status in sorted(statuses.items()):

@@ -62,13 +62,11 @@ def batches(nodes: Sequence[str], size: int) -> list[list[str]]:
     return [list(nodes[i:i + size]) for i in range(0, len(nodes), size)]
 
 
-async def node_statuses(kv: KeyValue) -> dict[str, NodeStatus]:
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return {}
+async def node_statuses(runtime: Runtime) -> dict[str, NodeStatus]:
+    """Every node agent's last status (listing keys leaves no consumer on the server)."""
+    kv = runtime.kv(NODE_BUCKET)
     found = {}
-    for key in keys:
+    for key in await runtime.kv_keys(NODE_BUCKET):
         status = await _status(kv, key)
         if status is not None:
             found[key] = status
@@ -98,7 +96,7 @@ def is_at(status: NodeStatus | None, version: str) -> bool:
 
 async def plan(runtime: Runtime, version: str, only: Sequence[str] | None) -> list[str]:
     """Nodes to move, in a stable order: every node with a status (or the ones named), minus those already there."""
-    statuses = await node_statuses(runtime.kv(NODE_BUCKET))
+    statuses = await node_statuses(runtime)
     names = sorted(only) if only else sorted(statuses)
     unknown = [n for n in names if n not in statuses]
     if unknown:

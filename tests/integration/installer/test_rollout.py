@@ -81,6 +81,16 @@ async def test_nodes_already_there_are_skipped_and_bad_input_refused(start_agent
     assert rollout.batches(NODES, 2) == [NODES[0:2], NODES[2:4], NODES[4:]]
 
 
+async def test_planning_again_and_again_leaves_no_consumer_on_the_node_bucket(start_agent, start_runtime: RuntimeFactory, libraries: Libraries) -> None:
+    for node in NODES[:2]:
+        await start_agent(node)
+    driver = await start_runtime("installer", kv_buckets=BUCKETS)
+    for _ in range(5):  # every rollout plans from the node statuses
+        assert sorted(await rollout.node_statuses(driver)) == NODES[:2]
+    bucket = await driver.jetstream.stream_info(f"KV_{rollout.NODE_BUCKET}")
+    assert bucket.state.consumer_count == 0
+
+
 async def test_dry_run_prints_the_plan_and_changes_nothing(start_agent, bus_settings: BusSettings, libraries: Libraries) -> None:
     agents = [await start_agent(node) for node in NODES[:3]]
     v2 = version_of(libraries.v2.read_bytes())
