@@ -41,7 +41,14 @@ static unsigned long long env_ull(const char *name, unsigned long long fallback,
 
 static unsigned long long total_bytes(void) { return env_ull("FAKE_CUDA_TOTAL_MIB", 15360, 1ull << 30) << 20; }
 
+static int ledger_device_used(unsigned int index, unsigned long long *used);
+
+/* Device-wide usage as the real NVML reports it: every live process on the node (the ledger),
+ * whether or not this process ever loaded libcuda; without a node-wide ledger, this process's
+ * own fake driver's count. */
 static unsigned long long used_bytes(unsigned int index) {
+    unsigned long long node_wide;
+    if (ledger_device_used(index, &node_wide) == 0) return node_wide;
     void *cuda = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
     if (!cuda) return 0;
     fake_cuda_stats_fn stats = (fake_cuda_stats_fn)dlsym(cuda, FAKE_CUDA_STATS_SYMBOL);
@@ -325,6 +332,36 @@ static nvmlReturn_t ledger_processes(unsigned int index, struct held **out, unsi
     *out = held;
     *count = n;
     return NVML_SUCCESS;
+}
+
+/* Sum of what live records hold on device `index` (0 when nobody has allocated yet); -1 when
+ * there is no node-wide ledger to read. */
+static int ledger_device_used(unsigned int index, unsigned long long *used) {
+    const char *path = getenv("FAKE_CUDA_STATE");
+    *used = 0;
+    if (!path || !*path) return -1;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0) return errno == ENOENT ? 0 : -1; /* nobody has allocated yet */
+    if (fstat(fd, &st) != 0 || st.st_size != (off_t)sizeof(fake_ledger)) {
+        int not_sized_yet = st.st_size == 0;
+        close(fd);
+        return not_sized_yet ? 0 : -1;
+    }
+    const fake_ledger *ledger = mmap(NULL, sizeof *ledger, PROT_READ, MAP_SHARED, fd, 0);
+    if (ledger == MAP_FAILED) {
+        close(fd);
+        return -1;
+    }
+    for (int i = 0; i < FAKE_LEDGER_PROCS; i++) {
+        const fake_ledger_proc *p = &ledger->procs[i];
+        if (!p->pid || !p->used[index]) continue;
+        struct flock probe = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = record_offset(i), .l_len = sizeof *p};
+        if (fcntl(fd, F_OFD_GETLK, &probe) == 0 && probe.l_type != F_UNLCK) *used += p->used[index];
+    }
+    munmap((void *)ledger, sizeof *ledger);
+    close(fd);
+    return 0;
 }
 
 /* NVML's contract: *infoCount in is the room in `infos`; too little room (a count query

@@ -52,15 +52,23 @@ static int nvml_index(nvmlDevice_t device) {
     return (int)index;
 }
 
+/* The rule cuMemGetInfo follows: the card as the grant shows it, never bigger than the card
+ * (total = min(limit, physical)) and never freer than the card is (free = min(room left in the
+ * grant, what the driver says is free)); `total` and `free` come in as the driver's figures. */
+static void granted_view(int idx, unsigned long long *total, unsigned long long *used, unsigned long long *free_bytes) {
+    uint64_t physical_free = *free_bytes;
+    *total = min_u64(vgpu_ledger_limit(idx), *total);
+    *used = vgpu_ledger_used_fresh(idx);
+    *free_bytes = min_u64(room_left(*total, *used), physical_free);
+}
+
 VGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
     if (vgpu_nvml_load() != 0) return NVML_ERROR_LIBRARY_NOT_FOUND;
     if (!vgpu_nvml.nvmlDeviceGetMemoryInfo) return NVML_ERROR_FUNCTION_NOT_FOUND;
     nvmlReturn_t rc = vgpu_nvml.nvmlDeviceGetMemoryInfo(device, memory);
     int idx = nvml_index(device);
     if (rc != NVML_SUCCESS || !memory || !limited(idx)) return rc;
-    memory->total = vgpu_ledger_limit(idx);
-    memory->used = vgpu_ledger_used_fresh(idx);
-    memory->free = room_left(memory->total, memory->used);
+    granted_view(idx, &memory->total, &memory->used, &memory->free);
     return rc;
 }
 
@@ -70,9 +78,7 @@ VGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMem
     nvmlReturn_t rc = vgpu_nvml.nvmlDeviceGetMemoryInfo_v2(device, memory);
     int idx = nvml_index(device);
     if (rc != NVML_SUCCESS || !memory || !limited(idx)) return rc;
-    memory->total = vgpu_ledger_limit(idx);
     memory->reserved = 0; /* driver reservations are outside the container's grant */
-    memory->used = vgpu_ledger_used_fresh(idx);
-    memory->free = room_left(memory->total, memory->used);
+    granted_view(idx, &memory->total, &memory->used, &memory->free);
     return rc;
 }

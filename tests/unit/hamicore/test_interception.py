@@ -6,10 +6,11 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from vgpu_harness import HAMI, LIBVGPU, MIB, TESTS_DIR, probe, run_program
+from vgpu_harness import HAMI, LIBVGPU, MIB, TESTS_DIR, base_env, probe, run_program
 
 LEGACY, PER_THREAD = "1", "2"
 
@@ -87,3 +88,32 @@ def test_only_intended_symbols_are_exported_and_no_driver_is_linked() -> None:
     assert _exported(str(LIBVGPU)) == intended
     needed = subprocess.run(["readelf", "-d", str(LIBVGPU)], capture_output=True, text=True, check=True).stdout
     assert "libcuda" not in needed and "libnvidia-ml" not in needed
+
+
+def test_nvml_never_reports_more_than_the_card() -> None:
+    # A grant larger than the card (32g on the 15360 MiB fake): NVML shows the card, as cuMemGetInfo does.
+    gpu = run_program([str(TESTS_DIR / "nvsmi")], {"CUDA_DEVICE_MEMORY_LIMIT": "32g"}).fields("gpu")
+    assert int(gpu["total"]) == int(gpu["free"]) == 15360 * MIB
+    info = probe("info", env={"CUDA_DEVICE_MEMORY_LIMIT": "32g"}).fields("info")
+    assert int(info["total"]) == 15360 * MIB
+
+
+def test_nvml_never_reports_more_free_than_the_card_has(tmp_path: Path) -> None:
+    # Another container holds 14 GiB of the card; this one has a 4g grant and holds nothing.
+    ledger = {"FAKE_CUDA_STATE": str(tmp_path / "node.ledger")}
+    neighbour = subprocess.Popen([str(TESTS_DIR / "cuprobe"), "init", "ctx", "0", "alloc", str(14336 * MIB), "hold", "60000"],
+                                 env=base_env(ledger, preload=False), stdout=subprocess.PIPE, text=True)
+    try:
+        assert neighbour.stdout is not None
+        while "holding" not in neighbour.stdout.readline():
+            pass
+        limited = {**ledger, "CUDA_DEVICE_MEMORY_LIMIT": "4g"}
+        gpu = run_program([str(TESTS_DIR / "nvsmi")], limited).fields("gpu")  # a process that never loaded libcuda
+        assert int(gpu["total"]) == 4096 * MIB and int(gpu["free"]) == 1024 * MIB and gpu["used"] == "0"
+        info = probe("info", env=limited).fields("info")
+        assert int(info["free"]) == 1024 * MIB  # the same rule as cuMemGetInfo
+        whole = run_program([str(TESTS_DIR / "nvsmi")], ledger, preload=False).fields("gpu")
+        assert int(whole["used"]) == 14336 * MIB  # NVML's device-wide view, as the real one's
+    finally:
+        neighbour.kill()
+        neighbour.wait()
