@@ -144,11 +144,18 @@ def test_every_container_runs_a_real_subcommand_with_real_flags(rendered: dict[s
     assert expected <= seen, f"{variant} lacks {expected - seen}"
 
 
+# Read by the NVIDIA container runtime, not by us: it mounts NVML into the node agent (no GPU requested).
+NVIDIA_RUNTIME_ENV = {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "utility"}
+
+
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_every_env_name_is_a_settings_field_and_its_value_loads(rendered: dict[str, Docs], variant: str) -> None:
     docs = rendered[variant]
     for doc, _, container in our_containers(docs):
-        for name, value in container_env(container, docs).items():
+        env = container_env(container, docs)
+        if doc["metadata"]["name"].endswith("-nodeagent"):
+            assert {k: env.pop(k, None) for k in NVIDIA_RUNTIME_ENV} == NVIDIA_RUNTIME_ENV, "the enforcer needs NVML"
+        for name, value in env.items():
             assert name in ENV_FIELDS, f"{doc['metadata']['name']}: env {name} is read by no settings class"
             if value != "<valueFrom>":
                 cls, field = ENV_FIELDS[name]

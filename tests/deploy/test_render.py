@@ -148,3 +148,13 @@ def test_evict_grants_the_verifier_only_the_eviction_subresource(render_helm: Ca
     assert {(res, verb) for r in verifier["rules"] for res in r["resources"] for verb in r["verbs"]} == {("events", "create"), ("pods/eviction", "create")}
     args = [a for d in docs if d["kind"] == "Deployment" for c in d["spec"]["template"]["spec"]["containers"] for a in c.get("args", [])]
     assert "--on-missing=evict" in args
+
+
+def test_evict_on_breach_grants_the_node_agent_the_eviction_subresource(render_helm: Callable[..., Docs]) -> None:
+    default = [d for d in render_helm({}) if d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("-nodeagent")]
+    assert not [r for d in default for r in d["rules"] if "pods/eviction" in r["resources"]]
+    docs = render_helm({"nodeAgent.onBreach": "evict"})
+    [agent] = [d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("-nodeagent")]
+    assert ("pods/eviction", "create") in {(res, verb) for r in agent["rules"] for res in r["resources"] for verb in r["verbs"]}
+    args = [a for d in docs if d["kind"] == "DaemonSet" for c in d["spec"]["template"]["spec"]["containers"] for a in c.get("args", [])]
+    assert "--on-breach=evict" in args

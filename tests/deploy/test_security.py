@@ -8,12 +8,14 @@ import pytest
 from deploy_tools import REPO, Docs, component, containers, pod_specs
 
 ALL_VARIANTS = ["kustomize/base", "kustomize/cert-manager", "kustomize/dev", "helm/default", "helm/optional", "helm/minimal"]
-AGENT_CAPABILITIES = {"SYS_PTRACE", "DAC_READ_SEARCH"}
+AGENT_CAPABILITIES = {"SYS_PTRACE", "DAC_READ_SEARCH", "KILL"}
 READ_VERBS = {"get", "list", "watch"}
 # Components that call no Kubernetes API must not even get a token.
 NO_API = {"webhook", "installer"}
-# What the node agent reads to compute grants: its node's pods (field-selected), their ConfigMaps, its node.
-NODEAGENT_ACCESS = {("pods", "get"), ("pods", "list"), ("pods", "watch"), ("configmaps", "get"), ("nodes", "get")}
+# What the node agent reads to compute grants (its node's pods, field-selected; their ConfigMaps; its
+# node) and the enforcer's IsolationBreached Events.
+NODEAGENT_ACCESS = {("pods", "get"), ("pods", "list"), ("pods", "watch"), ("configmaps", "get"), ("nodes", "get"),
+                    ("events", "create")}
 
 
 def _pod_security(spec: dict, container: dict) -> dict:
@@ -100,7 +102,8 @@ def test_rbac_is_least_privilege(rendered: dict[str, Docs], variant: str) -> Non
                 if "secrets" in rule["resources"]:
                     assert doc["metadata"]["name"].endswith("-certs"), f"{doc['metadata']['name']} touches Secrets"
                     assert rule["verbs"] == ["create"] or rule.get("resourceNames"), "Secret reads must name the Secret"
-                assert "pods/eviction" not in rule["resources"] or doc["metadata"]["name"].endswith("-verifier"), "only the verifier evicts"
+                assert "pods/eviction" not in rule["resources"] or doc["metadata"]["name"].endswith(("-verifier", "-nodeagent")), \
+                    "only the verifier and the enforcer evict"
         if doc["kind"] in ("RoleBinding", "ClusterRoleBinding"):
             (subject,) = doc["subjects"]
             assert subject["kind"] == "ServiceAccount" and subject["name"] == doc["roleRef"]["name"]
