@@ -572,6 +572,278 @@ EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *handle, const CUDA_ARRA
     return create_array((void **)handle, bytes);
 }
 
+/* ---- what CUDA clients (numba-cuda, cuda.core, the runtime) ask on their normal paths ----
+ * Attributes of a T4-class card (sm_75), the same for every device except its identity; a
+ * per-thread context stack over the primary contexts; streams that complete at once (the fake
+ * runs no work); copies and sets succeed without data (the fake's memory has no backing). */
+
+static int attribute_value(CUdevice_attribute attr, int phys) {
+    switch (attr) {
+        case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: return 1024;
+        case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X: return 1024;
+        case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y: return 1024;
+        case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z: return 64;
+        case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X: return 2147483647;
+        case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y: return 65535;
+        case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z: return 65535;
+        case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: return 49152;
+        case CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY: return 65536;
+        case CU_DEVICE_ATTRIBUTE_WARP_SIZE: return 32;
+        case CU_DEVICE_ATTRIBUTE_MAX_PITCH: return 2147483647;
+        case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK: return 65536;
+        case CU_DEVICE_ATTRIBUTE_CLOCK_RATE: return 1590000;
+        case CU_DEVICE_ATTRIBUTE_TEXTURE_ALIGNMENT: return 512;
+        case CU_DEVICE_ATTRIBUTE_GPU_OVERLAP: return 1;
+        case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: return 40;
+        case CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY: return 1;
+        case CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS: return 1;
+        case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: return 0x3b + phys;
+        case CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE: return 5001000;
+        case CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH: return 256;
+        case CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: return 4194304;
+        case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: return 1024;
+        case CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT: return 3;
+        case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: return 1;
+        case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: return 7;
+        case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: return 5;
+        case CU_DEVICE_ATTRIBUTE_STREAM_PRIORITIES_SUPPORTED: return 1;
+        case CU_DEVICE_ATTRIBUTE_GLOBAL_L1_CACHE_SUPPORTED: return 1;
+        case CU_DEVICE_ATTRIBUTE_LOCAL_L1_CACHE_SUPPORTED: return 1;
+        case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: return 65536;
+        case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR: return 65536;
+        case CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY: return 1;
+        case CU_DEVICE_ATTRIBUTE_MULTI_GPU_BOARD_GROUP_ID: return phys;
+        case CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS: return 1;
+        case CU_DEVICE_ATTRIBUTE_COMPUTE_PREEMPTION_SUPPORTED: return 1;
+        case CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH: return 1;
+        case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: return 65536;
+        case CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR: return 16;
+        case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: return 1;
+        case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: return 1;
+        case CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES: return CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        default: return 0; /* a capability this card does not have */
+    }
+}
+
+EXPORT CUresult cuDeviceGetAttribute(int *value, CUdevice_attribute attr, CUdevice dev) {
+    config();
+    if (!value || attr <= 0 || attr >= CU_DEVICE_ATTRIBUTE_MAX) return CUDA_ERROR_INVALID_VALUE;
+    int phys = physical(dev);
+    if (phys < 0) return CUDA_ERROR_INVALID_DEVICE;
+    *value = attribute_value(attr, phys);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetPCIBusId(char *bus_id, int len, CUdevice dev) {
+    config();
+    int phys = physical(dev);
+    if (!bus_id || len <= 0) return CUDA_ERROR_INVALID_VALUE;
+    if (phys < 0) return CUDA_ERROR_INVALID_DEVICE;
+    snprintf(bus_id, (size_t)len, "0000:%02X:00.0", 0x3b + phys); /* as the fake NVML's busIdLegacy */
+    return CUDA_SUCCESS;
+}
+
+CUresult fake_cuDeviceTotalMem_v1(unsigned int *bytes, CUdevice dev) __asm__("cuDeviceTotalMem") EXPORT;
+CUresult fake_cuDeviceTotalMem_v1(unsigned int *bytes, CUdevice dev) {
+    size_t total;
+    CUresult rc = cuDeviceTotalMem_v2(bytes ? &total : NULL, dev);
+    if (rc == CUDA_SUCCESS) *bytes = total > UINT32_MAX ? UINT32_MAX : (unsigned int)total;
+    return rc;
+}
+
+CUresult fake_cuMemGetInfo_v1(unsigned int *free_bytes, unsigned int *total_bytes) __asm__("cuMemGetInfo") EXPORT;
+CUresult fake_cuMemGetInfo_v1(unsigned int *free_bytes, unsigned int *total_bytes) {
+    size_t f, t;
+    CUresult rc = cuMemGetInfo_v2(free_bytes ? &f : NULL, total_bytes ? &t : NULL);
+    if (rc != CUDA_SUCCESS) return rc;
+    *free_bytes = f > UINT32_MAX ? UINT32_MAX : (unsigned int)f;
+    *total_bytes = t > UINT32_MAX ? UINT32_MAX : (unsigned int)t;
+    return rc;
+}
+
+CUresult fake_cuDevicePrimaryCtxRelease_v1(CUdevice dev) __asm__("cuDevicePrimaryCtxRelease") EXPORT;
+CUresult fake_cuDevicePrimaryCtxRelease_v1(CUdevice dev) { return cuDevicePrimaryCtxRelease_v2(dev); }
+
+EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active) {
+    config();
+    if (!flags || !active) return CUDA_ERROR_INVALID_VALUE;
+    if (physical(dev) < 0) return CUDA_ERROR_INVALID_DEVICE;
+    *flags = 0;
+    *active = 1;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags) {
+    (void)flags;
+    config();
+    return physical(dev) < 0 ? CUDA_ERROR_INVALID_DEVICE : CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) { return cuDevicePrimaryCtxSetFlags_v2(dev, 0); }
+
+/* A context stack per thread, whose top is the current context, as the driver keeps it. */
+static __thread int ctx_stack[32];
+static __thread int ctx_depth;
+
+EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
+    uintptr_t v = (uintptr_t)ctx;
+    if (v == 0 || v > MAX_DEVICES) return CUDA_ERROR_INVALID_CONTEXT;
+    if (ctx_depth >= (int)(sizeof ctx_stack / sizeof ctx_stack[0])) return CUDA_ERROR_OUT_OF_MEMORY;
+    ctx_stack[ctx_depth++] = current_ctx;
+    current_ctx = (int)v;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *pctx) {
+    if (!current_ctx) return CUDA_ERROR_INVALID_CONTEXT;
+    if (pctx) *pctx = (CUcontext)(uintptr_t)current_ctx;
+    current_ctx = ctx_depth > 0 ? ctx_stack[--ctx_depth] : 0;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned int *version) {
+    if (!version) return CUDA_ERROR_INVALID_VALUE;
+    if (!ctx && !current_ctx) return CUDA_ERROR_INVALID_CONTEXT;
+    *version = 13000;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxGetFlags(unsigned int *flags) {
+    if (!flags) return CUDA_ERROR_INVALID_VALUE;
+    if (!current_ctx) return CUDA_ERROR_INVALID_CONTEXT;
+    *flags = 0;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxSynchronize(void) { return current_ctx ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT; }
+
+EXPORT CUresult cuCtxGetId(CUcontext ctx, unsigned long long *id) {
+    uintptr_t v = ctx ? (uintptr_t)ctx : (uintptr_t)current_ctx;
+    if (!id) return CUDA_ERROR_INVALID_VALUE;
+    if (v == 0 || v > MAX_DEVICES) return CUDA_ERROR_INVALID_CONTEXT;
+    *id = v;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamCreate(CUstream *stream, unsigned int flags) {
+    (void)flags;
+    if (!stream) return CUDA_ERROR_INVALID_VALUE;
+    if (!current_ctx) return CUDA_ERROR_INVALID_CONTEXT;
+    *stream = (CUstream)(uintptr_t)new_address(1);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamCreateWithPriority(CUstream *stream, unsigned int flags, int priority) {
+    (void)priority;
+    return cuStreamCreate(stream, flags);
+}
+
+EXPORT CUresult cuStreamDestroy_v2(CUstream stream) { return stream ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE; }
+EXPORT CUresult cuStreamSynchronize(CUstream stream) {
+    (void)stream;
+    return current_ctx ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+}
+EXPORT CUresult cuStreamQuery(CUstream stream) { return cuStreamSynchronize(stream); }
+
+EXPORT CUresult cuStreamIsCapturing(CUstream stream, CUstreamCaptureStatus *status) {
+    (void)stream;
+    if (!status) return CUDA_ERROR_INVALID_VALUE;
+    *status = CU_STREAM_CAPTURE_STATUS_NONE; /* the fake never captures */
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest) {
+    if (least) *least = 0;
+    if (greatest) *greatest = -5;
+    return CUDA_SUCCESS;
+}
+
+/* Release thresholds of the pools whose handles are small (the default pools, 1..16). */
+static _Atomic cuuint64_t pool_thresholds[MAX_DEVICES + 1];
+
+/* The default pool of a device: a handle naming it, attributes as an untouched pool has them. */
+EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev) {
+    config();
+    if (!pool) return CUDA_ERROR_INVALID_VALUE;
+    int phys = physical(dev);
+    if (phys < 0) return CUDA_ERROR_INVALID_DEVICE;
+    *pool = (CUmemoryPool)(uintptr_t)(phys + 1);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev) { return cuDeviceGetDefaultMemPool(pool, dev); }
+
+EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value) {
+    if (!pool || !value) return CUDA_ERROR_INVALID_VALUE;
+    switch (attr) {
+        case CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES:
+        case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC:
+        case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES: *(int *)value = 1; return CUDA_SUCCESS;
+        case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD:
+            *(cuuint64_t *)value = (uintptr_t)pool <= MAX_DEVICES ? atomic_load(&pool_thresholds[(uintptr_t)pool]) : 0;
+            return CUDA_SUCCESS;
+        case CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT:
+        case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH:
+        case CU_MEMPOOL_ATTR_USED_MEM_CURRENT:
+        case CU_MEMPOOL_ATTR_USED_MEM_HIGH: *(cuuint64_t *)value = 0; return CUDA_SUCCESS;
+        default: return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+
+EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t n) {
+    (void)dst, (void)value, (void)n;
+    return current_ctx ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+}
+
+EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
+    (void)dst, (void)src, (void)n;
+    return current_ctx ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+}
+
+EXPORT CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+    (void)src;
+    if (!current_ctx) return CUDA_ERROR_INVALID_CONTEXT;
+    if (dst) memset(dst, 0, n); /* no backing: device memory reads as zeros */
+    return CUDA_SUCCESS;
+}
+
+struct error_name {
+    CUresult code;
+    const char *name, *text;
+};
+
+static const struct error_name error_names[] = {
+    {CUDA_SUCCESS, "CUDA_SUCCESS", "no error"},
+    {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+    {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+};
+
+static const struct error_name *error_of(CUresult code) {
+    for (size_t i = 0; i < sizeof error_names / sizeof error_names[0]; i++)
+        if (error_names[i].code == code) return &error_names[i];
+    return NULL;
+}
+
+EXPORT CUresult cuGetErrorName(CUresult code, const char **name) {
+    const struct error_name *e = error_of(code);
+    if (!name) return CUDA_ERROR_INVALID_VALUE;
+    *name = e ? e->name : NULL;
+    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+EXPORT CUresult cuGetErrorString(CUresult code, const char **text) {
+    const struct error_name *e = error_of(code);
+    if (!text) return CUDA_ERROR_INVALID_VALUE;
+    *text = e ? e->text : NULL;
+    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
 /* ---- graphs and pools: enough for the memory they hold ----
  * The real driver maps a graph's allocation node when the graph is launched; the fake charges
  * it when the node is added (it has no launches), so what a graph holds is counted as soon as
@@ -621,8 +893,10 @@ CUresult fake_cuGraphAddNode_v1(CUgraphNode *node, CUgraph graph, const CUgraphN
 }
 
 EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value) {
-    (void)attr;
-    return pool && value ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (!pool || !value) return CUDA_ERROR_INVALID_VALUE;
+    if (attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD && (uintptr_t)pool <= MAX_DEVICES)
+        atomic_store(&pool_thresholds[(uintptr_t)pool], *(cuuint64_t *)value);
+    return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuArrayDestroy(CUarray handle) { return release((uintptr_t)handle); }
@@ -648,7 +922,42 @@ static const struct entry_point entry_points[] = {
     {"cuDeviceGetUuid", 9020, 0, (void *)fake_cuDeviceGetUuid_v1},
     {"cuDeviceGetUuid", 11040, 0, (void *)cuDeviceGetUuid_v2},
     {"cuDevicePrimaryCtxRetain", 7000, 0, (void *)cuDevicePrimaryCtxRetain},
+    {"cuDevicePrimaryCtxRelease", 7000, 0, (void *)fake_cuDevicePrimaryCtxRelease_v1},
     {"cuDevicePrimaryCtxRelease", 11000, 0, (void *)cuDevicePrimaryCtxRelease_v2},
+    {"cuDevicePrimaryCtxGetState", 7000, 0, (void *)cuDevicePrimaryCtxGetState},
+    {"cuDevicePrimaryCtxSetFlags", 11000, 0, (void *)cuDevicePrimaryCtxSetFlags_v2},
+    {"cuDevicePrimaryCtxReset", 11000, 0, (void *)cuDevicePrimaryCtxReset_v2},
+    {"cuDeviceGetAttribute", 2000, 0, (void *)cuDeviceGetAttribute},
+    {"cuDeviceGetPCIBusId", 4010, 0, (void *)cuDeviceGetPCIBusId},
+    {"cuDeviceGetDefaultMemPool", 11020, 0, (void *)cuDeviceGetDefaultMemPool},
+    {"cuDeviceGetMemPool", 11020, 0, (void *)cuDeviceGetMemPool},
+    {"cuCtxPushCurrent", 4000, 0, (void *)cuCtxPushCurrent_v2},
+    {"cuCtxPopCurrent", 4000, 0, (void *)cuCtxPopCurrent_v2},
+    {"cuCtxGetApiVersion", 3020, 0, (void *)cuCtxGetApiVersion},
+    {"cuCtxGetFlags", 7000, 0, (void *)cuCtxGetFlags},
+    {"cuCtxSynchronize", 2000, 0, (void *)cuCtxSynchronize},
+    {"cuCtxGetId", 12000, 0, (void *)cuCtxGetId},
+    {"cuCtxGetStreamPriorityRange", 5050, 0, (void *)cuCtxGetStreamPriorityRange},
+    {"cuStreamCreate", 2000, 0, (void *)cuStreamCreate},
+    {"cuStreamCreateWithPriority", 5050, 0, (void *)cuStreamCreateWithPriority},
+    {"cuStreamDestroy", 4000, 0, (void *)cuStreamDestroy_v2},
+    {"cuStreamSynchronize", 2000, 0, (void *)cuStreamSynchronize},
+    {"cuStreamSynchronize", 7000, 1, (void *)cuStreamSynchronize},
+    {"cuStreamQuery", 2000, 0, (void *)cuStreamQuery},
+    {"cuStreamQuery", 7000, 1, (void *)cuStreamQuery},
+    {"cuStreamIsCapturing", 10000, 0, (void *)cuStreamIsCapturing},
+    {"cuStreamIsCapturing", 10000, 1, (void *)cuStreamIsCapturing},
+    {"cuMemPoolGetAttribute", 11020, 0, (void *)cuMemPoolGetAttribute},
+    {"cuMemsetD8", 3020, 0, (void *)cuMemsetD8_v2},
+    {"cuMemsetD8", 7000, 1, (void *)cuMemsetD8_v2},
+    {"cuMemcpyHtoD", 3020, 0, (void *)cuMemcpyHtoD_v2},
+    {"cuMemcpyHtoD", 7000, 1, (void *)cuMemcpyHtoD_v2},
+    {"cuMemcpyDtoH", 3020, 0, (void *)cuMemcpyDtoH_v2},
+    {"cuMemcpyDtoH", 7000, 1, (void *)cuMemcpyDtoH_v2},
+    {"cuGetErrorName", 6000, 0, (void *)cuGetErrorName},
+    {"cuGetErrorString", 6000, 0, (void *)cuGetErrorString},
+    {"cuMemGetInfo", 2000, 0, (void *)fake_cuMemGetInfo_v1},
+    {"cuDeviceTotalMem", 2000, 0, (void *)fake_cuDeviceTotalMem_v1},
     {"cuCtxSetCurrent", 4000, 0, (void *)cuCtxSetCurrent},
     {"cuCtxGetCurrent", 4000, 0, (void *)cuCtxGetCurrent},
     {"cuCtxGetDevice", 2000, 0, (void *)cuCtxGetDevice},

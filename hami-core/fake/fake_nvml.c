@@ -433,3 +433,191 @@ EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device
                                                              nvmlProcessInfo_v2_t *infos) {
     return running_processes(device, infoCount, infos, 3, 1);
 }
+
+/* ---- what monitoring clients ask about a device (pynvml, gpustat, nvitop) ----
+ * Signatures and struct layouts as nvml.h declares them; values are those of an idle
+ * T4-class card, the same for every device except its identity (index, UUID, PCI bus). */
+
+
+#define FAKE_DRIVER_VERSION "580.65.06"
+
+typedef struct {
+    char busIdLegacy[16];
+    unsigned int domain, bus, device, pciDeviceId, pciSubSystemId;
+    char busId[32];
+} fake_nvmlPciInfo_t;
+
+typedef struct {
+    unsigned int gpu, memory;
+} fake_nvmlUtilization_t;
+
+typedef struct {
+    unsigned long long bar1Total, bar1Free, bar1Used;
+} fake_nvmlBAR1Memory_t;
+
+static nvmlReturn_t copy_text(char *out, unsigned int length, const char *text) {
+    if (!out) return NVML_ERROR_INVALID_ARGUMENT;
+    if (length < strlen(text) + 1) return NVML_ERROR_INSUFFICIENT_SIZE;
+    strcpy(out, text);
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t put_uint(nvmlDevice_t device, unsigned int *out, unsigned int value) {
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    if (!valid(device) || !out) return NVML_ERROR_INVALID_ARGUMENT;
+    *out = value;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
+    (void)flags; /* NVML_INIT_FLAG_NO_GPUS / NO_ATTACH change nothing for a fake */
+    return nvmlInit_v2();
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
+    return initialised ? copy_text(version, length, FAKE_DRIVER_VERSION) : NVML_ERROR_UNINITIALIZED;
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length) {
+    return initialised ? copy_text(version, length, "13." FAKE_DRIVER_VERSION) : NVML_ERROR_UNINITIALIZED;
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *version) {
+    if (!version) return NVML_ERROR_INVALID_ARGUMENT;
+    *version = 13000;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *version) { return nvmlSystemGetCudaDriverVersion(version); }
+
+/* The command line of a host process, as NVML reads it from /proc. */
+EXPORT nvmlReturn_t nvmlSystemGetProcessName(unsigned int pid, char *name, unsigned int length) {
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    if (!name || length == 0) return NVML_ERROR_INVALID_ARGUMENT;
+    char path[64], text[256] = "";
+    snprintf(path, sizeof path, "/proc/%u/comm", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return NVML_ERROR_NOT_FOUND;
+    if (!fgets(text, sizeof text, f)) text[0] = '\0';
+    fclose(f);
+    text[strcspn(text, "\n")] = '\0';
+    snprintf(name, length, "%s", text);
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    if (!uuid || !device) return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned int i = 0; i < device_count; i++) {
+        char mine[64];
+        nvmlDeviceGetUUID(&devices[i], mine, sizeof mine);
+        if (strcmp(mine, uuid) == 0) {
+            *device = &devices[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+static unsigned int pci_bus(const struct nvmlDevice_st *device) { return 0x3b + device->index; }
+
+EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, fake_nvmlPciInfo_t *pci) {
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    if (!valid(device) || !pci) return NVML_ERROR_INVALID_ARGUMENT;
+    memset(pci, 0, sizeof *pci);
+    pci->bus = pci_bus(device);
+    pci->pciDeviceId = 0x1eb810de; /* 10de vendor, 1eb8 a T4 */
+    pci->pciSubSystemId = 0x12a210de;
+    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "0000:%02X:00.0", pci->bus);
+    snprintf(pci->busId, sizeof pci->busId, "00000000:%02X:00.0", pci->bus);
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, fake_nvmlPciInfo_t *pci) { return nvmlDeviceGetPciInfo_v3(device, pci); }
+
+EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minor) { return put_uint(device, minor, valid(device) ? device->index : 0); }
+EXPORT nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, int sensor, unsigned int *temp) { return sensor == 0 ? put_uint(device, temp, 34) : NVML_ERROR_INVALID_ARGUMENT; }
+EXPORT nvmlReturn_t nvmlDeviceGetFanSpeed(nvmlDevice_t device, unsigned int *speed) {
+    (void)speed; /* passively cooled, like a T4: the real driver says so */
+    return valid(device) ? NVML_ERROR_NOT_SUPPORTED : NVML_ERROR_INVALID_ARGUMENT;
+}
+EXPORT nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *milliwatts) { return put_uint(device, milliwatts, 27000); }
+EXPORT nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t device, unsigned int *milliwatts) { return put_uint(device, milliwatts, 70000); }
+EXPORT nvmlReturn_t nvmlDeviceGetPowerManagementLimit(nvmlDevice_t device, unsigned int *milliwatts) { return put_uint(device, milliwatts, 70000); }
+EXPORT nvmlReturn_t nvmlDeviceGetPerformanceState(nvmlDevice_t device, int *state) { return put_uint(device, (unsigned int *)state, 8); }
+EXPORT nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, int *mode) { return put_uint(device, (unsigned int *)mode, 1); }
+EXPORT nvmlReturn_t nvmlDeviceGetDisplayMode(nvmlDevice_t device, int *mode) { return put_uint(device, (unsigned int *)mode, 0); }
+EXPORT nvmlReturn_t nvmlDeviceGetDisplayActive(nvmlDevice_t device, int *active) { return put_uint(device, (unsigned int *)active, 0); }
+EXPORT nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device, int *mode) { return put_uint(device, (unsigned int *)mode, 0); }
+EXPORT nvmlReturn_t nvmlDeviceGetCurrPcieLinkGeneration(nvmlDevice_t device, unsigned int *gen) { return put_uint(device, gen, 3); }
+EXPORT nvmlReturn_t nvmlDeviceGetCurrPcieLinkWidth(nvmlDevice_t device, unsigned int *width) { return put_uint(device, width, 16); }
+EXPORT nvmlReturn_t nvmlDeviceGetPcieThroughput(nvmlDevice_t device, int counter, unsigned int *kbps) {
+    (void)counter;
+    return put_uint(device, kbps, 0);
+}
+
+/* NVML_CLOCK_GRAPHICS, SM, MEM, VIDEO */
+static const unsigned int clocks_now[] = {300, 300, 405, 540}, clocks_max[] = {1590, 1590, 5001, 1470};
+
+EXPORT nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, int type, unsigned int *mhz) {
+    return type >= 0 && type < 4 ? put_uint(device, mhz, clocks_now[type]) : NVML_ERROR_INVALID_ARGUMENT;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMaxClockInfo(nvmlDevice_t device, int type, unsigned int *mhz) {
+    return type >= 0 && type < 4 ? put_uint(device, mhz, clocks_max[type]) : NVML_ERROR_INVALID_ARGUMENT;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor) {
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    if (!valid(device) || !major || !minor) return NVML_ERROR_INVALID_ARGUMENT;
+    *major = 7;
+    *minor = 5;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetEccMode(nvmlDevice_t device, int *current, int *pending) {
+    if (!valid(device) || !current || !pending) return NVML_ERROR_INVALID_ARGUMENT;
+    *current = *pending = 0;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current, unsigned int *pending) {
+    (void)current;
+    (void)pending; /* a T4 has no MIG */
+    return valid(device) ? NVML_ERROR_NOT_SUPPORTED : NVML_ERROR_INVALID_ARGUMENT;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, fake_nvmlUtilization_t *utilization) {
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    if (!valid(device) || !utilization) return NVML_ERROR_INVALID_ARGUMENT;
+    utilization->gpu = utilization->memory = 0; /* the fake runs no kernels */
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t codec_utilization(nvmlDevice_t device, unsigned int *utilization, unsigned int *period_us) {
+    if (!valid(device) || !utilization || !period_us) return NVML_ERROR_INVALID_ARGUMENT;
+    *utilization = 0;
+    *period_us = 167000;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetEncoderUtilization(nvmlDevice_t device, unsigned int *u, unsigned int *p) { return codec_utilization(device, u, p); }
+EXPORT nvmlReturn_t nvmlDeviceGetDecoderUtilization(nvmlDevice_t device, unsigned int *u, unsigned int *p) { return codec_utilization(device, u, p); }
+
+EXPORT nvmlReturn_t nvmlDeviceGetBAR1MemoryInfo(nvmlDevice_t device, fake_nvmlBAR1Memory_t *bar1) {
+    if (!valid(device) || !bar1) return NVML_ERROR_INVALID_ARGUMENT;
+    bar1->bar1Total = bar1->bar1Free = 256ull << 20;
+    bar1->bar1Used = 0;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetSerial(nvmlDevice_t device, char *serial, unsigned int length) {
+    char text[32];
+    if (!valid(device)) return NVML_ERROR_INVALID_ARGUMENT;
+    snprintf(text, sizeof text, "fake%010u", device->index);
+    return copy_text(serial, length, text);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetBoardPartNumber(nvmlDevice_t device, char *part, unsigned int length) {
+    return valid(device) ? copy_text(part, length, "900-2G183-0000-000") : NVML_ERROR_INVALID_ARGUMENT;
+}

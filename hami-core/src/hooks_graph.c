@@ -1,7 +1,8 @@
-/* Device memory the library cannot count exactly is refused under a limit: a graph's memory
+/* Device memory the library cannot count exactly is kept out under a limit: a graph's memory
  * nodes allocate when the graph is launched, possibly many times and in no order the library
- * sees, and a pool told to keep freed memory (a release threshold) holds it after the frees
- * that gave the charge back. Without a limit these are the driver's, untouched. */
+ * sees (refused), and a pool told to keep freed memory (a release threshold) would hold it
+ * after the frees that gave the charge back (the threshold is not passed on: the pool keeps
+ * releasing at once, which costs speed, never memory). Without a limit these are the driver's. */
 #include "vgpu.h"
 
 /* CUDA_SUCCESS when the current device has no limit (without a current context: when no device
@@ -14,7 +15,7 @@ static CUresult unlimited_here(const char *what) {
     } else if (vgpu_ledger_limit(idx) == VGPU_UNLIMITED) {
         return CUDA_SUCCESS;
     }
-    vgpu_log(VGPU_LOG_INFO, "device %d: %s is not supported under a memory limit", idx, what);
+    vgpu_log(VGPU_LOG_INFO, "device %d: %s is not applied under a memory limit", idx, what);
     return CUDA_ERROR_NOT_SUPPORTED;
 }
 
@@ -48,11 +49,13 @@ VGPU_EXPORT CUresult vgpu_graph_add_node_v1_hook(CUgraphNode *node, CUgraph grap
 }
 
 /* A threshold of 0 (the default) lets the pool return freed memory at the next synchronisation,
- * which is what the charge released at free assumes. */
+ * which is what the charge released at free assumes. Clients raise it for speed (cuda.core's
+ * default memory resource does, and stops if refused), so under a limit the call succeeds and the
+ * pool keeps its threshold of 0. */
 VGPU_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value) {
     REQUIRE(cuMemPoolSetAttribute);
-    CUresult rc = CUDA_SUCCESS;
-    if (attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD && value && *(const cuuint64_t *)value != 0)
-        rc = unlimited_here("a memory pool release threshold");
-    return rc != CUDA_SUCCESS ? rc : vgpu_cuda.cuMemPoolSetAttribute(pool, attr, value);
+    if (attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD && pool && value && *(const cuuint64_t *)value != 0 &&
+        unlimited_here("a memory pool release threshold") != CUDA_SUCCESS)
+        return CUDA_SUCCESS;
+    return vgpu_cuda.cuMemPoolSetAttribute(pool, attr, value);
 }

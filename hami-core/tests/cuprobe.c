@@ -46,6 +46,7 @@ struct api {
     __typeof__(cuGraphAddMemAllocNode) *graph_alloc;
     __typeof__(cuGraphAddNode_v2) *graph_add_node;
     __typeof__(cuMemPoolSetAttribute) *pool_set;
+    __typeof__(cuMemPoolGetAttribute) *pool_get;
 };
 
 enum kind { K_NONE, K_PTR, K_ASYNC, K_VMM, K_ARRAY, K_MIPMAP };
@@ -66,7 +67,7 @@ static void link_api(void) {
                        cuMemFreeAsync, cuMemCreate, cuMemRelease, cuArrayCreate_v2, cuArray3DCreate_v2,
                        cuArrayDestroy, cuMipmappedArrayCreate, cuMipmappedArrayDestroy, cuMemGetInfo_v2,
                        cuDeviceTotalMem_v2, cuGetProcAddress_v2, cuGraphCreate, cuGraphAddMemAllocNode,
-                       cuGraphAddNode_v2, cuMemPoolSetAttribute};
+                       cuGraphAddNode_v2, cuMemPoolSetAttribute, cuMemPoolGetAttribute};
 }
 
 #define LOOKUP(field, name) api.field = (__typeof__(api.field))find(name)
@@ -109,6 +110,7 @@ static void lookup_api(void *(*find)(const char *)) {
     LOOKUP(graph_alloc, "cuGraphAddMemAllocNode");
     LOOKUP(graph_add_node, "cuGraphAddNode_v2");
     LOOKUP(pool_set, "cuMemPoolSetAttribute");
+    LOOKUP(pool_get, "cuMemPoolGetAttribute");
 }
 
 static int setup_api(const char *path) {
@@ -376,6 +378,11 @@ static int run(char **argv, int argc, int i) {
     if (!strcmp(c, "poolthreshold") && left >= 1) {
         cuuint64_t threshold = num(ARG(1));
         return printf("poolthreshold rc=%d\n", (int)api.pool_set((CUmemoryPool)(uintptr_t)1, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &threshold)), 2;
+    }
+    if (!strcmp(c, "poolget")) {
+        cuuint64_t threshold = 0;
+        CUresult rc = api.pool_get((CUmemoryPool)(uintptr_t)1, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &threshold);
+        return printf("poolget rc=%d threshold=%llu\n", (int)rc, (unsigned long long)threshold), 1;
     }
     if (!strcmp(c, "init")) return printf("init rc=%d\n", (int)api.init(0)), 1;
     if (!strcmp(c, "ctx") && left >= 1) return printf("ctx rc=%d\n", (int)make_current((int)num(ARG(1)))), 2;

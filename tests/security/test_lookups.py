@@ -13,7 +13,6 @@ ROUTES = {
     "dlmopen": (["--path=dlmopen", "init", "ctx", "0", "alloc", str(2 * GIB)], "alloc"),
     "graph-alloc-node": (["init", "ctx", "0", "graphalloc", str(2 * GIB)], "graphalloc"),
     "graph-generic-node": (["--path=dlsym", "init", "ctx", "0", "graphnode", str(2 * GIB)], "graphnode"),
-    "pool-release-threshold": (["--path=procaddr", "init", "ctx", "0", "poolthreshold", str(8 * GIB)], "poolthreshold"),
 }
 
 
@@ -24,4 +23,11 @@ async def test_routes_around_the_hooks_are_closed(node: SimNode, route: str) -> 
     result = await container.run([str(CUPROBE), *script])
     [line] = [line for line in result.stdout.splitlines() if line.startswith(step + " ")]
     assert " rc=0" not in line, result.stdout
+    assert blocked_or_detected(container, GIB) == "blocked"
+
+
+async def test_a_pool_told_to_keep_freed_memory_keeps_none(node: SimNode) -> None:
+    container = await node.start(gpu_pod("route-pool-threshold"), limit="1g")
+    result = await container.run([str(CUPROBE), "--path=procaddr", "init", "ctx", "0", "poolthreshold", str(8 * GIB), "poolget"])
+    assert "poolget rc=0 threshold=0" in result.stdout, result.stdout  # the driver never saw the threshold
     assert blocked_or_detected(container, GIB) == "blocked"
