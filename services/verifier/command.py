@@ -26,6 +26,10 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="warn: Warning Event (default); annotate: also mark the pod; evict: also evict it (Eviction API, honours PDBs)")
     parser.add_argument("--container-vgpu-mount", help="library directory inside containers (default /usr/local/vgpu)")
     parser.add_argument("--no-kubernetes-events", dest="kubernetes_events", action="store_const", const=False, help="publish verdicts on the bus only")
+    parser.add_argument("--no-pod-condition", dest="pod_condition", action="store_const", const=False,
+                        help="do not write the pod condition kai-resource-isolator.io/Isolated")
+    parser.add_argument("--no-node-views", dest="node_views", action="store_const", const=False,
+                        help="do not annotate GPU Nodes with the node agents' status and usage")
     parser.add_argument("--probe-listen", dest="probe_listen", help="HOST:PORT for /healthz /readyz /metrics (default 0.0.0.0:8081)")
     return parser
 
@@ -38,13 +42,16 @@ async def running(settings: VerifierSettings, bus: BusSettings, url: str, probe_
     verifier = Verifier(runtime, settings, notifier)
     verifier.bind()
     await runtime.start(url)
-    reverify = asyncio.create_task(verifier.reverify_forever())
+    loops = [asyncio.create_task(verifier.reverify_forever())]
+    if verifier.views is not None:
+        loops.append(asyncio.create_task(verifier.views.flush_forever(settings.node_view_interval_s)))
     try:
         yield verifier
     finally:
-        reverify.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reverify
+        for loop in loops:
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
         await runtime.stop()
         if notifier:
             await notifier.close()

@@ -20,11 +20,12 @@ from pydantic import BaseModel
 from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.errors import IsolatorError
-from kai_isolator.shared.events import HealthVerdict, InspectReply, InspectRequest, NodeStatus, PodIsolation
+from kai_isolator.shared.events import HealthVerdict, InspectReply, InspectRequest, NodeStatus, PodIsolation, UsageReport
 
 from .judge import Judgement, judge, judge_unobservable, judge_without_inspection
 from .kube import PodNotifier
 from .settings import VerifierSettings
+from .view import NodeViews
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class Verifier:
         self.notifier = notifier
         self.library_path = f"{settings.container_vgpu_mount.rstrip('/')}/libvgpu.so"
         self._node_versions: dict[str, str | None] = {}
+        # What operators read in the API (kubectl isolator): node views from the agents' reports.
+        self.views = NodeViews(notifier, heartbeat_s=settings.node_view_heartbeat_s) if notifier and settings.node_views else None
         registry = runtime.metrics.registry
         self.verdicts = Counter("kai_isolator_verdicts", "Verdicts emitted, by verdict and reason", ["verdict", "reason"], registry=registry)
         self.latency = Histogram("kai_isolator_verification_seconds", "From inspection request to verdict", registry=registry)
@@ -78,6 +81,10 @@ class Verifier:
     def bind(self) -> None:
         self.runtime.on_event("pods", subjects.ALL_PODS, self.on_pod)
         self.runtime.on_event("nodes", subjects.ALL_NODE_STATUS, self.on_node_status, new_only=True)
+        if self.notifier is not None:
+            self.runtime.on_event("breaches", subjects.ALL_HEALTH, self.on_health, new_only=True)
+        if self.views is not None:
+            self.runtime.on_event("usage", subjects.ALL_USAGE, self.on_usage, new_only=True)
 
     @property
     def _kv(self) -> KeyValue:
@@ -88,12 +95,16 @@ class Verifier:
     async def on_pod(self, event: PodIsolation) -> None:
         if event.state in ("finished", "deleted"):
             await self._forget(event)
+            if self.views is not None:
+                self.views.forget_pod(event.pod.uid)
         elif event.state == "running" and not await self._is_gone(event):
             await self._remember(event)
             await self.verify(event)
 
     async def on_node_status(self, status: NodeStatus) -> None:
         """A node whose library version changed gets all its running pods verified again."""
+        if self.views is not None:
+            self.views.on_status(status)
         previous = self._node_versions.get(status.node_name, status.active_version)
         self._node_versions[status.node_name] = status.active_version
         if previous == status.active_version:
@@ -102,6 +113,15 @@ class Verifier:
         for pod in await self.tracked_pods():
             if pod.node_name == status.node_name:
                 await self._verify_logged(pod)
+
+    async def on_health(self, verdict: HealthVerdict) -> None:
+        """The node agent's `breached` verdicts reach the pod condition too (the verifier writes its own verdicts there)."""
+        if verdict.verdict == "breached" and self.notifier is not None and self.settings.pod_condition:
+            await self.notifier.set_condition(verdict)
+
+    async def on_usage(self, report: UsageReport) -> None:
+        if self.views is not None:
+            self.views.on_usage(report)
 
     # --- verification ---------------------------------------------------------------------
 
@@ -211,6 +231,8 @@ class Verifier:
         if self.notifier is None:
             return
         await self.notifier.post_event(verdict)
+        if self.settings.pod_condition:
+            await self.notifier.set_condition(verdict)
         if verdict.verdict == "missing" and self.settings.on_missing == "annotate":
             await self.notifier.annotate_missing(verdict)
         elif verdict.verdict == "missing" and self.settings.on_missing == "evict":

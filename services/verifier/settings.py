@@ -27,4 +27,8 @@ class VerifierSettings(BaseSettings):
     unobservable_after_s: float = Field(30.0, ge=0, description="... spanning at least this long is `degraded: unobservable`")
     confirm_negative_after_s: float = Field(2.0, ge=0, description="a missing or degraded verdict from one look inside a container "
                                             "is issued only when a second look this much later sees the same")
+    pod_condition: bool = Field(True, description="write the pod condition kai-resource-isolator.io/Isolated (pods/status)")
+    node_views: bool = Field(True, description="annotate GPU Nodes with the node agent's status and usage (for kubectl isolator)")
+    node_view_interval_s: float = Field(10.0, gt=0, description="write changed node views this often")
+    node_view_heartbeat_s: float = Field(60.0, gt=0, description="rewrite an unchanged node view this often (its last-seen time)")
     health_bucket: str = Field("isolator-pod-health", pattern=r"^[A-Za-z0-9_-]+$")

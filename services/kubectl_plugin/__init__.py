@@ -1,0 +1,1 @@
+"""`kubectl isolator`: what an operator sees of isolation, read from the Kubernetes API alone."""
