@@ -61,6 +61,8 @@ static void load_cuda_once(void) {
         vgpu_cuda.getproc_v1 = (vgpu_getproc_v1_fn)vgpu_real_dlsym(cuda_handle, "cuGetProcAddress");
         vgpu_cuda.legacy_alloc = (vgpu_legacy_alloc_fn)vgpu_real_dlsym(cuda_handle, "cuMemAlloc");
         vgpu_cuda.graph_add_node_v1 = (vgpu_graph_add_node_v1_fn)vgpu_real_dlsym(cuda_handle, "cuGraphAddNode");
+        vgpu_cuda.mem_info_v1 = (vgpu_mem_info_v1_fn)vgpu_real_dlsym(cuda_handle, "cuMemGetInfo");
+        vgpu_cuda.total_mem_v1 = (vgpu_total_mem_v1_fn)vgpu_real_dlsym(cuda_handle, "cuDeviceTotalMem");
         vgpu_cuda.cuCtxGetDevice =
             (__typeof__(vgpu_cuda.cuCtxGetDevice))vgpu_real_dlsym(cuda_handle, "cuCtxGetDevice");
         void *uuid = vgpu_real_dlsym(cuda_handle, "cuDeviceGetUuid_v2");

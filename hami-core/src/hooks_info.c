@@ -34,6 +34,31 @@ VGPU_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     return rc;
 }
 
+/* The 32-bit entry points report the same clamped figures, saturated at 4 GiB as the driver does. */
+static unsigned int u32(uint64_t v) { return v > UINT32_MAX ? UINT32_MAX : (unsigned int)v; }
+
+VGPU_EXPORT CUresult vgpu_mem_info_v1_hook(unsigned int *free_out, unsigned int *total_out) {
+    if (vgpu_cuda_load() != 0) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!vgpu_cuda.mem_info_v1) return CUDA_ERROR_NOT_FOUND;
+    if (!free_out || !total_out) return vgpu_cuda.mem_info_v1(free_out, total_out);
+    size_t free_bytes, total_bytes;
+    CUresult rc = cuMemGetInfo_v2(&free_bytes, &total_bytes);
+    if (rc != CUDA_SUCCESS) return rc;
+    *free_out = u32(free_bytes);
+    *total_out = u32(total_bytes);
+    return CUDA_SUCCESS;
+}
+
+VGPU_EXPORT CUresult vgpu_total_mem_v1_hook(unsigned int *bytes, CUdevice dev) {
+    if (vgpu_cuda_load() != 0) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!vgpu_cuda.total_mem_v1) return CUDA_ERROR_NOT_FOUND;
+    if (!bytes) return vgpu_cuda.total_mem_v1(bytes, dev);
+    size_t total;
+    CUresult rc = cuDeviceTotalMem_v2(&total, dev);
+    if (rc == CUDA_SUCCESS) *bytes = u32(total);
+    return rc;
+}
+
 /* NVML reports per NVML index, which is the ledger's index (under a grant: the device's place
  * in it, by UUID). Also records the device's UUID in the shared file, for monitoring. */
 static int nvml_index(nvmlDevice_t device) {

@@ -17,6 +17,8 @@ static const struct vgpu_symbol symbols[] = {
     {"cuGetProcAddress", (void *)&vgpu_getproc_v1_hook, "cuGetProcAddress", 11030, 0, 0},
     {"cuMemAlloc", (void *)&vgpu_legacy_alloc_hook, "cuMemAlloc", 2000, 0, 0},
     {"cuGraphAddNode", (void *)&vgpu_graph_add_node_v1_hook, "cuGraphAddNode", 12020, 0, 0},
+    {"cuMemGetInfo", (void *)&vgpu_mem_info_v1_hook, "cuMemGetInfo", 2000, 0, 0},
+    {"cuDeviceTotalMem", (void *)&vgpu_total_mem_v1_hook, "cuDeviceTotalMem", 2000, 0, 0},
 #define VGPU_ENTRY(name) {#name, (void *)&name, NULL, 0, 0, 1},
     VGPU_NVML_HOOKED(VGPU_ENTRY)
 #undef VGPU_ENTRY

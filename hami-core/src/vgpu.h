@@ -21,6 +21,11 @@ typedef CUresult (*vgpu_getproc_v1_fn)(const char *, void **, int, cuuint64_t);
 /* The legacy 32-bit cuMemAlloc (cuda.h macro-renames that name to cuMemAlloc_v2). */
 typedef CUresult (*vgpu_legacy_alloc_fn)(unsigned int *, unsigned int);
 CUresult vgpu_legacy_alloc_hook(unsigned int *dptr, unsigned int bytesize) __asm__("cuMemAlloc");
+/* The 32-bit cuMemGetInfo / cuDeviceTotalMem of CUDA before 3.2 (cuda.h renames both to _v2). */
+typedef CUresult (*vgpu_mem_info_v1_fn)(unsigned int *, unsigned int *);
+typedef CUresult (*vgpu_total_mem_v1_fn)(unsigned int *, CUdevice);
+CUresult vgpu_mem_info_v1_hook(unsigned int *free_bytes, unsigned int *total_bytes) __asm__("cuMemGetInfo");
+CUresult vgpu_total_mem_v1_hook(unsigned int *bytes, CUdevice dev) __asm__("cuDeviceTotalMem");
 /* cuGraphAddNode of CUDA 12.2, without edge data (cuda.h macro-renames that name to _v2). */
 typedef CUresult (*vgpu_graph_add_node_v1_fn)(CUgraphNode *, CUgraph, const CUgraphNode *, size_t, CUgraphNodeParams *);
 CUresult vgpu_graph_add_node_v1_hook(CUgraphNode *node, CUgraph graph, const CUgraphNode *deps, size_t ndeps,
@@ -135,6 +140,8 @@ struct vgpu_cuda_real {
     vgpu_getproc_v1_fn getproc_v1; /* "cuGetProcAddress": cuda.h macro-renames that name */
     vgpu_legacy_alloc_fn legacy_alloc; /* "cuMemAlloc" */
     vgpu_graph_add_node_v1_fn graph_add_node_v1; /* "cuGraphAddNode" */
+    vgpu_mem_info_v1_fn mem_info_v1;             /* "cuMemGetInfo" */
+    vgpu_total_mem_v1_fn total_mem_v1;           /* "cuDeviceTotalMem" */
     __typeof__(cuCtxGetDevice) *cuCtxGetDevice;
     __typeof__(cuDeviceGetUuid) *cuDeviceGetUuid; /* _v2 where the driver has it */
 };

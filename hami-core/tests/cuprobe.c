@@ -379,6 +379,15 @@ static int run(char **argv, int argc, int i) {
         cuuint64_t threshold = num(ARG(1));
         return printf("poolthreshold rc=%d\n", (int)api.pool_set((CUmemoryPool)(uintptr_t)1, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &threshold)), 2;
     }
+    if (!strcmp(c, "info1")) { /* the 32-bit cuMemGetInfo / cuDeviceTotalMem, by name as old binaries bind them */
+        typedef CUresult (*info1_fn)(unsigned int *, unsigned int *);
+        typedef CUresult (*total1_fn)(unsigned int *, CUdevice);
+        info1_fn info1 = (info1_fn)dlsym(cuda ? cuda : RTLD_DEFAULT, "cuMemGetInfo");
+        total1_fn total1 = (total1_fn)dlsym(cuda ? cuda : RTLD_DEFAULT, "cuDeviceTotalMem");
+        unsigned int f = 0, t = 0, d = 0;
+        CUresult a = info1 ? info1(&f, &t) : CUDA_ERROR_NOT_FOUND, b = total1 ? total1(&d, 0) : CUDA_ERROR_NOT_FOUND;
+        return printf("info1 rc=%d,%d free=%u total=%u devtotal=%u\n", (int)a, (int)b, f, t, d), 1;
+    }
     if (!strcmp(c, "poolget")) {
         cuuint64_t threshold = 0;
         CUresult rc = api.pool_get((CUmemoryPool)(uintptr_t)1, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &threshold);

@@ -113,3 +113,11 @@ def test_info_log_level_explains_an_oom() -> None:
     result = probe("alloc", "2000000", env={"LIBCUDA_LOG_LEVEL": "3", "CUDA_DEVICE_MEMORY_LIMIT": "1m"})
     assert result.rcs("alloc") == [2]
     assert "exceeds the limit of 1048576" in result.stderr
+
+
+@pytest.mark.parametrize("path", ["link", "dlsym"])
+def test_the_32_bit_info_calls_report_the_grant_too(path: str) -> None:
+    info = probe("info1", env={"CUDA_DEVICE_MEMORY_LIMIT": "1g"}, path=path).fields("info1")
+    assert info["rc"] == "0,0" and int(info["total"]) == int(info["free"]) == int(info["devtotal"]) == 1 << 30
+    whole = probe("info1", path=path, preload=False).fields("info1")
+    assert int(whole["total"]) == int(whole["devtotal"]) == (1 << 32) - 1  # the 15 GiB card, saturated as the driver does
