@@ -189,3 +189,17 @@ def test_dlsym_on_a_driver_copy_in_another_namespace_gets_the_hook() -> None:
     assert result.rcs("alloc") != [0] and result.fields("fake")["peak"] == "0"
     unhooked = probe("alloc", str(2 * GIB_BYTES), env={"CUDA_DEVICE_MEMORY_LIMIT": "1g"}, path="dlmopen", preload=False)
     assert unhooked.rcs("alloc") == [0]  # the copy itself allocates: the hook is what stops it
+
+
+SIZES = [1, 2, 511, 512, 513, 4095, 4096, 4097, MIB - 1, MIB, MIB + 1, GIB_BYTES - 1, GIB_BYTES]
+
+
+@pytest.mark.parametrize("path", ["link", "procaddr"])
+def test_every_size_from_a_byte_to_the_whole_grant_is_charged_exactly_and_given_back(path: str) -> None:
+    # Each size allocated alone and freed: exact at every rounding edge, and one byte past the
+    # 1 GiB grant is refused before the driver sees it.
+    commands = [c for i, size in enumerate(SIZES) for c in ("alloc", str(size), "free", str(i))]
+    result = probe(*commands, "alloc", str(GIB_BYTES + 1), "fake", "0", env={"CUDA_DEVICE_MEMORY_LIMIT": "1g"}, path=path)
+    assert result.rcs("alloc") == [0] * len(SIZES) + [2] and result.rcs("free") == [0] * len(SIZES)
+    fake = result.fields("fake")
+    assert int(fake["used"]) == 0 and int(fake["peak"]) == GIB_BYTES and int(fake["allocs"]) == len(SIZES)
