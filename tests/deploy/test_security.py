@@ -117,7 +117,8 @@ def test_rbac_is_least_privilege(rendered: dict[str, Docs], variant: str) -> Non
         assert {(r, v) for rule in agent_rules for r in rule["resources"] for v in rule["verbs"]} == NODEAGENT_ACCESS
     verifier_args = {a for d, s in pod_specs(docs) for c in containers(s) for a in c.get("args", [])}
     for rule in _rules(docs, "-verifier"):
-        allowed = {("events", "create")}
+        # Events, plus the pod condition kai-resource-isolator.io/Isolated and the node views kubectl isolator reads.
+        allowed = {("events", "create"), ("pods/status", "get"), ("pods/status", "update"), ("nodes", "patch")}
         allowed |= {("pods", "patch")} if "--on-missing=annotate" in verifier_args else set()
         allowed |= {("pods/eviction", "create")} if "--on-missing=evict" in verifier_args else set()
         assert {(r, v) for r in rule["resources"] for v in rule["verbs"]} <= allowed, rule
