@@ -237,6 +237,15 @@ def decoy_library(directory: Path) -> Path:
     return decoy
 
 
+def tenant_grant(directory: Path, limit_bytes: int = 15 << 30) -> Path:
+    """What a tenant writes where it can write: a grant.json of its own choosing, in the node's format."""
+    directory.mkdir(parents=True, exist_ok=True)
+    grant = Grant(pod_uid="forged", namespace=NAMESPACE, pod="forged", container="main",
+                  devices=(DeviceGrant(uuid=FAKE_GPU_UUID, limit_bytes=limit_bytes),), source=GrantSource.CONFIGMAP)
+    (directory / GRANT_FILE).write_text(grant.model_dump_json())
+    return directory
+
+
 @dataclass
 class SimNode:
     """One simulated GPU node: a temp host root with our library installed, a fake GPU with a

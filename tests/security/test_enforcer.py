@@ -29,7 +29,9 @@ from kai_isolator.shared.cgroups import container_of_pid
 from kai_isolator.shared.contract import DEFAULT_GRANT_DIR
 from kai_isolator.shared.events import Breach, HealthVerdict, InspectRequest, decode
 from kai_isolator.shared.settings import BusSettings
-from security.container import BUILD, CUPROBE, FAKE_DIR, GIB, MIB, OUTCOMES, Background, Container, SimNode, decoy_library, gpu_pod
+from security.container import (
+    BUILD, CUPROBE, FAKE_DIR, GIB, MIB, OUTCOMES, Background, Container, SimNode, decoy_library, gpu_pod, tenant_grant,
+)
 
 RAWELF = BUILD / "tests" / "rawelf"
 DEEPBIND = BUILD / "tests" / "deepbind"
@@ -81,6 +83,10 @@ async def attack(container: Container, how: str, tmp_path: Path) -> Background:
         decoy = decoy_library(tmp_path / "tenant")
         script = f'mount --bind {decoy} /usr/local/vgpu/libvgpu.so && exec "$@"'
         argv = ["unshare", "-Urm", "sh", "-c", script, "sh", str(CUPROBE), "init", "ctx", "0", "alloc", str(ATTACK), *HOLD]
+    elif how == "user-namespace-grant":
+        # Its own grant.json (15 GiB) mounted over the node's read-only grant: the library obeys it.
+        script = f'mount --bind {tenant_grant(tmp_path / "tenant-grant")} /etc/kai-isolator && exec "$@"'
+        argv = ["unshare", "-Urm", "sh", "-c", script, "sh", str(CUPROBE), "init", "ctx", "0", "alloc", str(ATTACK), *HOLD]
     elif how == "own-pid-namespace":
         # The fake driver then records pid 1: the enforcer must still find and kill the host process.
         argv = ["unshare", "-Urpf", str(RAWELF), str(ATTACK)]
@@ -106,7 +112,7 @@ async def exited_by_sigkill(program: Background, timeout_s: float = 10) -> bool:
     return code in (-signal.SIGKILL, 128 + signal.SIGKILL) or (code != 0 and "holding" in program.lines)
 
 
-ATTACKS = ["raw-elf-lookup", "rtld-deepbind", "ld-preload-shim", "user-namespace-decoy", "own-pid-namespace"]
+ATTACKS = ["raw-elf-lookup", "rtld-deepbind", "ld-preload-shim", "user-namespace-decoy", "user-namespace-grant", "own-pid-namespace"]
 
 
 @pytest.mark.parametrize("how", ATTACKS)

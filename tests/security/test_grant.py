@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kai_isolator.shared.contract import DEFAULT_GRANT_DIR, GRANT_FILE
-from security.container import CUPROBE, FAKE_GPU_UUID, GIB, MIB, Container, SimNode, blocked_or_detected, gpu_pod
+from security.container import CUPROBE, FAKE_GPU_UUID, GIB, MIB, Container, SimNode, blocked_or_detected, gpu_pod, tenant_grant
 
 HOLD = ["hold", "600000"]
 
@@ -96,3 +96,18 @@ def grant_path(node: SimNode, container: Container) -> Path:
     directory = node.root / DEFAULT_GRANT_DIR.lstrip("/") / f"{container.pod_ref.uid}_{container.name}"
     directory.mkdir(parents=True, exist_ok=True)
     return directory / GRANT_FILE
+
+
+async def test_a_grant_remounted_from_a_user_namespace_is_not_the_nodes(node: SimNode, tmp_path: Path) -> None:
+    # Without a seccomp profile the tenant can make a user namespace and mount a grant of its own
+    # over the node's; the library then obeys it, so this is for the agent to see (and the enforcer,
+    # which reads the node's own grant, to kill: tests/security/test_enforcer.py).
+    container = await node.start(gpu_pod("forged-grant"), limit="1g")
+    script = f'mount --bind {tenant_grant(tmp_path / "tenant")} /etc/kai-isolator && exec "$@"'
+    forged = await container.background(["unshare", "-Urm", "sh", "-c", script, "sh",
+                                         str(CUPROBE), "init", "ctx", "0", "alloc", str(2 * GIB), *HOLD])
+    assert " rc=0" in await forged.wait_for("alloc ")
+    await forged.wait_for("holding")
+    reply = container.inspect()
+    assert [p.grant_mounted for p in reply.processes if p.pid != container.process.pid] == [False]
+    assert blocked_or_detected(container, GIB, "limit-from-env") == "detected"
