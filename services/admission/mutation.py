@@ -14,6 +14,7 @@ from kai_isolator.shared.contract import (
     PRELOAD_SUBPATH, STATE_MOUNT_PATH, STATE_VOLUME, USAGE_CACHE_PATH, VGPU_VOLUME,
 )
 from kai_isolator.shared.errors import IsolatorError
+from kai_isolator.shared.operator_view import ISOLATED_CONDITION
 
 Json = dict[str, Any]
 Op = dict[str, Any]
@@ -298,3 +299,15 @@ def _read_only_fixes(view: PodView, target: Target, desired: Desired) -> list[Op
                 continue  # replaced by the target's own mount above
             ops.append({"op": "add", "path": f"/spec/{field}/{index}/volumeMounts/{j}/readOnly", "value": True})
     return ops
+
+
+def readiness_gate_ops(view: PodView) -> list[Op]:
+    """The op that makes the pod wait for the verifier's Isolated condition before it is Ready
+    (readinessGates are fixed at creation, which is when the webhook sees the pod)."""
+    gates = _list_of_objects(view.spec.get("readinessGates"), "spec.readinessGates")
+    gate = {"conditionType": ISOLATED_CONDITION}
+    if any(g.get("conditionType") == ISOLATED_CONDITION for g in gates):
+        return []
+    if "readinessGates" not in view.spec:
+        return [{"op": "add", "path": "/spec/readinessGates", "value": [gate]}]
+    return [{"op": "add", "path": "/spec/readinessGates/-", "value": gate}]

@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 SERVICE = "admission"
 OUTCOMES = ("injected", "skipped", "denied", "warned")
+# The readiness-gated twin of /mutate (docs: README, "Readiness gate").
+GATED_PATH = "/mutate-gated"
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
 
 
@@ -170,6 +172,9 @@ class AdmissionServer:
     def __init__(self, settings: AdmissionSettings, bus: BusSettings | None = None) -> None:
         self.settings = settings
         self.webhook = Webhook.from_settings(settings)
+        # Called by a second webhook entry whose namespaceSelector picks namespaces labelled
+        # kai-resource-isolator.io/readiness-gate=true (the request itself carries no namespace labels).
+        self.gated_webhook = Webhook.from_settings(settings, readiness_gate=True)
         self.runtime = Runtime(SERVICE, bus) if bus is not None and bus.nats_url else None
         registry = self.runtime.metrics.registry if self.runtime else CollectorRegistry()
         queue: asyncio.Queue[DecisionRecord] = asyncio.Queue(settings.event_queue_size)
@@ -188,6 +193,7 @@ class AdmissionServer:
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_route("*", "/mutate", self.mutate)
+        app.router.add_route("*", GATED_PATH, self.mutate)
         add_probe_routes(app, self.registry, self.not_ready)
         return app
 
@@ -260,7 +266,7 @@ class AdmissionServer:
             except web.HTTPRequestEntityTooLarge:
                 answer = bad_request(f"body is over the {MAX_BODY_BYTES} byte limit")
             else:
-                answer = self.webhook.handle(raw)
+                answer = (self.gated_webhook if request.path == GATED_PATH else self.webhook).handle(raw)
         record = answer.record
         if record is None:
             self.metrics.bad_requests.inc()

@@ -11,7 +11,7 @@ from kai_isolator.shared.events import AdmissionOutcome
 from . import review
 from .mutation import (
     INJECT_ANNOTATION, InjectionConfig, NoTargetContainer, PodUnreadable, annotations_of, asks_opt_out,
-    desired_for, find_target, is_gpu_sharing, patch_ops, read_pod,
+    desired_for, find_target, is_gpu_sharing, patch_ops, read_pod, readiness_gate_ops,
 )
 from .policy import findings, judge
 from .review import AdmissionRequest, BadReview
@@ -58,16 +58,18 @@ def pod_name_of(obj: Any) -> str:
 
 
 class Webhook:
-    """The decision logic, free of HTTP and of the bus."""
+    """The decision logic, free of HTTP and of the bus. With `readiness_gate`, an injected pod also
+    waits for the verifier's `kai-resource-isolator.io/Isolated` condition before it is Ready."""
 
-    def __init__(self, config: InjectionConfig, mode: PolicyMode) -> None:
+    def __init__(self, config: InjectionConfig, mode: PolicyMode, readiness_gate: bool = False) -> None:
         self.config = config
         self.mode = mode
+        self.readiness_gate = readiness_gate
 
     @classmethod
-    def from_settings(cls, settings: AdmissionSettings) -> Webhook:
+    def from_settings(cls, settings: AdmissionSettings, readiness_gate: bool = False) -> Webhook:
         config = InjectionConfig(settings.container_vgpu_mount, settings.state_dir, settings.allow_pod_opt_out, settings.grant_dir)
-        return cls(config, settings.policy)
+        return cls(config, settings.policy, readiness_gate)
 
     def handle(self, raw: bytes) -> Answer:
         try:
@@ -103,6 +105,8 @@ class Webhook:
             desired = desired_for(target, self.config)
             found = findings(view, target, desired, self.config)
             ops = patch_ops(view, target, self.config, desired)
+            if self.readiness_gate:
+                ops += readiness_gate_ops(view)
         except PodUnreadable as error:
             return record.deny(400, f"cannot read pod: {error}")
         except NoTargetContainer as error:

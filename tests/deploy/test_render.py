@@ -145,7 +145,9 @@ def test_evict_grants_the_verifier_only_the_eviction_subresource(render_helm: Ca
     evicting = [d["metadata"]["name"] for d in roles for r in d["rules"] if "pods/eviction" in r["resources"]]
     assert evicting == ["kai-resource-isolator-verifier"]
     [verifier] = [d for d in roles if d["metadata"]["name"] == "kai-resource-isolator-verifier"]
-    assert {(res, verb) for r in verifier["rules"] for res in r["resources"] for verb in r["verbs"]} == {("events", "create"), ("pods/eviction", "create")}
+    # Besides eviction: its Events, the pod condition (pods/status) and the node views (nodes patch).
+    assert {(res, verb) for r in verifier["rules"] for res in r["resources"] for verb in r["verbs"]} == {
+        ("events", "create"), ("pods/eviction", "create"), ("pods/status", "get"), ("pods/status", "update"), ("nodes", "patch")}
     args = [a for d in docs if d["kind"] == "Deployment" for c in d["spec"]["template"]["spec"]["containers"] for a in c.get("args", [])]
     assert "--on-missing=evict" in args
 
@@ -158,3 +160,20 @@ def test_evict_on_breach_grants_the_node_agent_the_eviction_subresource(render_h
     assert ("pods/eviction", "create") in {(res, verb) for r in agent["rules"] for res in r["resources"] for verb in r["verbs"]}
     args = [a for d in docs if d["kind"] == "DaemonSet" for c in d["spec"]["template"]["spec"]["containers"] for a in c.get("args", [])]
     assert "--on-breach=evict" in args
+
+
+def test_readiness_gate_splits_the_namespaces_between_two_webhook_entries(render_helm: Callable[..., Docs]) -> None:
+    def webhooks(values: dict[str, str]) -> list[dict]:
+        [config] = [d for d in render_helm(values) if d["kind"] == "MutatingWebhookConfiguration"]
+        return config["webhooks"]
+
+    [plain] = webhooks({})  # off by default: one entry, no gate anywhere
+    assert "readiness-gate" not in str(plain["namespaceSelector"])
+    entries = {w["name"]: w for w in webhooks({"webhook.readinessGate.enabled": "true"})}
+    plain, gated = entries["vgpu.lib.kai-resource-isolator.io"], entries["gated.vgpu.lib.kai-resource-isolator.io"]
+    label = "kai-resource-isolator.io/readiness-gate"
+    assert {"key": label, "operator": "NotIn", "values": ["true"]} in plain["namespaceSelector"]["matchExpressions"]
+    assert {"key": label, "operator": "In", "values": ["true"]} in gated["namespaceSelector"]["matchExpressions"]
+    assert (plain["clientConfig"]["service"]["path"], gated["clientConfig"]["service"]["path"]) == ("/mutate", "/mutate-gated")
+    for key in ("rules", "matchConditions", "failurePolicy", "reinvocationPolicy"):
+        assert plain[key] == gated[key], key  # the same narrow match, only the namespaces differ

@@ -34,6 +34,19 @@ async def test_gpu_pod_is_patched_over_https(start_webhook: Any, client: aiohttp
     assert [op["path"] for op in ops] == ["/spec/volumes", "/spec/containers/0/volumeMounts", "/spec/containers/0/env"]
 
 
+async def test_the_gated_path_adds_the_readiness_gate_and_the_plain_one_does_not(
+    start_webhook: Any, client: aiohttp.ClientSession, reviews: Any,
+) -> None:
+    gpu_pod, review_bytes = reviews
+    server = await start_webhook()
+    paths = {}
+    for path in ("/mutate?timeout=10s", "/mutate-gated?timeout=10s"):
+        status, body = await post(client, server, review_bytes(gpu_pod()), path=path)
+        assert status == 200
+        paths[path.split("?")[0]] = [op["path"] for op in orjson.loads(base64.b64decode(orjson.loads(body)["response"]["patch"]))]
+    assert paths["/mutate-gated"] == paths["/mutate"] + ["/spec/readinessGates"]
+
+
 def oversized() -> bytes:
     return b'{"request": {"uid": "u", "pad": "' + b"x" * MAX_BODY_BYTES + b'"}}'
 
