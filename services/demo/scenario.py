@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timezone
@@ -117,6 +119,7 @@ class Demo:
         await self.opted_out_pod()
         await self.pod_admitted_while_webhook_down()
         await self.library_bypassed()
+        await self.operator_view()
 
     async def library_installed(self) -> None:
         status: NodeStatus = await self.bus.wait_for(
@@ -187,6 +190,23 @@ class Demo:
         if neighbour.process.returncode is not None:
             raise DemoFailed("the neighbour of the breaching pod stopped")
         say("container", f"gpu-sharing-demo (same GPU): still running, pid {neighbour.pid}, its memory untouched")
+
+    async def operator_view(self) -> None:
+        """`kubectl isolator status -A` and `nodes`, run as an operator would, on the Kubernetes API alone."""
+        print("\n5. what an operator sees: kubectl isolator status -A, then nodes", flush=True)
+        for command in (["status", "-A"], ["nodes"]):
+            code, out = await self.kubectl_isolator(command)
+            for line in out.rstrip().splitlines():
+                print(f"  {line}", flush=True)
+            say("kubectl", f"isolator {' '.join(command)}: exit code {code}" + (" (some container is missing or breached)" if code == 3 else ""))
+
+    async def kubectl_isolator(self, command: list[str]) -> tuple[int, str]:
+        plugin = Path(sys.executable).parent / "kubectl-isolator"  # the console script installed with the package
+        process = await asyncio.create_subprocess_exec(
+            str(plugin), *command, "--kubeconfig", str(self.ctx.values["kubeconfig"]),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
+        out, _ = await asyncio.wait_for(process.communicate(), 30)
+        return process.returncode or 0, out.decode()
 
     # --- steps ----------------------------------------------------------------------------
 
