@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 from kai_isolator.shared.bus import Runtime, wait_for_signal
 from kai_isolator.shared.embedded_nats import bus_url
+from kai_isolator.shared.lease import LEASE_BUCKET, Lease, holder_name
 from kai_isolator.shared.settings import BusSettings, ProbeSettings, load
 
 from .service import PodWatcher, api_client
@@ -21,6 +22,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = commands.add_parser("watcher", help="watch pods and publish their isolation events", description=__doc__)
     parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then ~/.kube/config; env KAI_ISOLATOR_WATCHER_KUBECONFIG)")
     parser.add_argument("--node", help="watch only pods on this node (env KAI_ISOLATOR_WATCHER_NODE)")
+    parser.add_argument("--lease-ttl-s", dest="lease_ttl_s", type=float, help="replicas are active/standby: a standby takes over after this long without renewal (default 10; env KAI_ISOLATOR_WATCHER_LEASE_TTL_S)")
     parser.add_argument("--probe-listen", dest="probe_listen", help="HOST:PORT for /healthz /readyz /metrics (default 0.0.0.0:8081)")
     return parser
 
@@ -29,14 +31,16 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 async def running(settings: WatcherSettings, bus: BusSettings, url: str, probe_listen: str | None = None) -> AsyncIterator[PodWatcher]:
     """A started runtime + watcher for the block; stopped gracefully on exit."""
     runtime = Runtime(SERVICE if not settings.node else f"{SERVICE}-{settings.node}", bus,
-                      kv_buckets=(settings.resume_bucket, settings.state_bucket), probe_listen=probe_listen)
+                      kv_buckets=(settings.resume_bucket, settings.state_bucket, LEASE_BUCKET), probe_listen=probe_listen)
     api = await api_client(settings)  # a bad kubeconfig fails fast, before waiting on the bus
     try:
         await runtime.start(url)
     except BaseException:
         await api.close()
         raise
-    watcher = PodWatcher(runtime, settings, api)
+    # One lease per scope: replicas of the same scope are active/standby; other scopes run side by side.
+    lease = Lease(runtime.kv(LEASE_BUCKET), f"watcher.{settings.scope}", holder_name(SERVICE), settings.lease_ttl_s)
+    watcher = PodWatcher(runtime, settings, api, lease)
     task = asyncio.create_task(watcher.run())
     try:
         yield watcher

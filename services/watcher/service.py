@@ -5,6 +5,11 @@ buckets. Nothing is lost: when NATS is away the watcher stops reading the watch 
 server keeps the history) and retries; on 410 Gone it relists and reconciles, deletions
 included. Nothing is duplicated for a durable consumer: stored states are never
 re-published, and a re-publication after a crash carries the same `Nats-Msg-Id`.
+
+Replicated active/standby: one watcher per scope holds a KV lease and works, the others wait
+to take over. Fenced: every record write is a compare-and-set on its KV revision and every
+publish names the subject's last stream sequence it knows, so a leader paused past its lease
+is refused by the server instead of repeating or reordering a pod's story.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ from prometheus_client import Counter, Gauge
 
 from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import Runtime
-from kai_isolator.shared.errors import BusError, ConfigError
+from kai_isolator.shared.errors import BusError, ConfigError, FencedError, LeaseLostError
 from kai_isolator.shared.events import PodIsolation
+from kai_isolator.shared.lease import Lease
 
 from .settings import WatcherSettings
 from .story import PodRecord, PodView, advance, deletion, needs_limit, view_of
@@ -51,6 +57,8 @@ class _Metrics:
         self.retries = Counter("kai_isolator_watcher_retries", "Waits after an API or bus failure, by cause", ["cause"], registry=r)
         self.tracked = Gauge("kai_isolator_watcher_tracked_pods", "GPU-sharing pods with a stored record", registry=r)
         self.synced = Gauge("kai_isolator_watcher_synced", "1 once the first list has been reconciled", registry=r)
+        self.leader = Gauge("kai_isolator_watcher_leader", "1 while this replica holds the watch lease (0: standby)", registry=r)
+        self.step_downs = Counter("kai_isolator_watcher_step_downs", "Lease lost or a fenced write refused: state dropped, standby again", registry=r)
 
 
 async def api_client(settings: WatcherSettings) -> client.ApiClient:
@@ -72,7 +80,7 @@ async def api_client(settings: WatcherSettings) -> client.ApiClient:
 class PodWatcher:
     """One watcher scope (all pods, or one node's) bound to a started Runtime with its KV buckets."""
 
-    def __init__(self, runtime: Runtime, settings: WatcherSettings, api: client.ApiClient) -> None:
+    def __init__(self, runtime: Runtime, settings: WatcherSettings, api: client.ApiClient, lease: Lease) -> None:
         self.runtime = runtime
         self.settings = settings
         self.core = client.CoreV1Api(api)
@@ -86,7 +94,14 @@ class PodWatcher:
         self._stopping = asyncio.Event()
         self._loaded = False
         self.synced = asyncio.Event()
-        runtime.add_readiness_check(lambda: None if self.synced.is_set() else "first pod list not reconciled yet")
+        self.lease = lease
+        self.leading = asyncio.Event()
+        self._revisions: dict[str, int] = {}
+        """KV revision of each pod record as we last wrote or read it: the compare-and-set fence."""
+        self._tips: dict[str, tuple[int, str | None]] = {}
+        """subject -> (last stream sequence, its event id) as this leader knows it: the publish fence."""
+        # A standby can work (it takes over on its own), so it is ready; a leader once it has listed.
+        runtime.add_readiness_check(lambda: None if self.synced.is_set() or not self.leading.is_set() else "first pod list not reconciled yet")
 
     # --- keys ---------------------------------------------------------------------------
 
@@ -104,7 +119,7 @@ class PodWatcher:
 
     async def run(self) -> None:
         """Load state, then list/watch until `stop()`; API and bus failures back off and retry, never end it."""
-        main = asyncio.create_task(self._main(), name="pod-watcher")
+        main = asyncio.create_task(self._serve(), name="pod-watcher")
         stop = asyncio.create_task(self._stopping.wait())
         try:
             await asyncio.wait({main, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -122,8 +137,50 @@ class PodWatcher:
             await stop
             await main  # re-raises a bug; a cancelled event is simply replayed after restart
         # resource_version only ever names fully handled changes, so it is safe to save here.
-        with contextlib.suppress(BusError, nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError):
-            await asyncio.wait_for(self._save_resume(force=True), self.runtime.settings.request_timeout_s)
+        with contextlib.suppress(BusError, LeaseLostError, nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError):
+            if self.lease.held():
+                await asyncio.wait_for(self._save_resume(force=True), self.runtime.settings.request_timeout_s)
+        await self.lease.release()  # a standby takes over at once instead of after the ttl
+
+    async def _serve(self) -> None:
+        """Stand by until the lease is ours, lead until it is lost (or a fenced write says so), repeat."""
+        while not self._stopping.is_set():
+            if not await self.lease.acquire(self._stopping):
+                return
+            self.leading.set()
+            self.metrics.leader.set(1)
+            keeper = asyncio.create_task(self.lease.keep(), name="watch-lease")
+            lead = asyncio.create_task(self._main(), name="watch-lead")
+            lost = asyncio.create_task(self.lease.lost.wait())
+            try:
+                await asyncio.wait({lead, lost}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (keeper, lead, lost):
+                    task.cancel()
+                results = await asyncio.gather(keeper, lead, lost, return_exceptions=True)
+            error = results[1]
+            if isinstance(error, BaseException) and not isinstance(error, (LeaseLostError, asyncio.CancelledError)):
+                raise error
+            if self._stopping.is_set():
+                return
+            self._step_down(str(error) if isinstance(error, LeaseLostError) else "lease lost")
+
+    def _step_down(self, why: str) -> None:
+        """Forget all in-memory state: the next term starts from KV, as a fresh process would."""
+        log.warning("watcher stepping down to standby", extra={"scope": self.settings.scope, "why": why})
+        self.metrics.step_downs.inc()
+        self.metrics.leader.set(0)
+        self.metrics.synced.set(0)
+        self.leading.clear()
+        self.synced.clear()
+        self.records.clear()
+        self._revisions.clear()
+        self._tips.clear()
+        self._limits.clear()
+        self.resource_version = self._saved_version = None
+        self._unsaved = 0
+        self._loaded = False
+        self.lease.token = None
 
     async def _main(self) -> None:
         await self._retrying("bus", self._load_state)
@@ -291,17 +348,60 @@ class PodWatcher:
 
     # --- the bus ------------------------------------------------------------------------
 
+    async def _tip(self, subject: str) -> tuple[int, str | None]:
+        """The subject's last stream sequence and event id: known, or read from the stream."""
+        if subject not in self._tips:
+            try:
+                last = await self.runtime.jetstream.get_last_msg(subjects.STREAM_NAME, subject)
+                self._tips[subject] = (last.seq or 0, json.loads(last.data or b"{}").get("id"))
+            except nats.js.errors.NotFoundError:
+                self._tips[subject] = (0, None)
+        return self._tips[subject]
+
     async def _publish(self, event: PodIsolation) -> None:
-        await self.runtime.publish(event)
+        """Publish unless the subject already ends with this event; fenced on the subject's last sequence."""
+        subject, event_id = event.subject(), event.dedup_id()
+        seq, last_id = await self._tip(subject)
+        if last_id == event_id:
+            return  # a previous holder (or our own lost ack) already stored it
+        self.lease.check()
+        try:
+            ack = await self.runtime.publish(event, expected_last_subject_seq=seq)
+        except FencedError:
+            # Someone else wrote this pod's subject since we looked: only fine if it is this very event.
+            self._tips.pop(subject, None)
+            if (await self._tip(subject))[1] == event_id:
+                return
+            raise LeaseLostError(f"{subject} was written by another watcher; resynchronising from KV") from None
+        if ack.duplicate:
+            self._tips.pop(subject, None)  # the sequence is the original's, not necessarily the tip
+        else:
+            self._tips[subject] = (ack.seq, event_id)
         self.metrics.published.labels(event.state).inc()
 
     async def _put_record(self, record: PodRecord) -> None:
-        await self.runtime.kv(self.settings.state_bucket).put(self._record_key(record.uid), record.model_dump_json().encode())
+        self.lease.check()
+        kv, key = self.runtime.kv(self.settings.state_bucket), self._record_key(record.uid)
+        value = record.model_dump_json().encode()
+        try:
+            if record.uid in self._revisions:
+                revision = await kv.update(key, value, last=self._revisions[record.uid])
+            else:
+                revision = await kv.create(key, value)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            raise LeaseLostError(f"pod record {key} was written by another watcher; resynchronising from KV") from None
+        self._revisions[record.uid] = revision
         self.records[record.uid] = record
         self.metrics.tracked.set(len(self.records))
 
     async def _drop_record(self, record: PodRecord) -> None:
-        await self.runtime.kv(self.settings.state_bucket).delete(self._record_key(record.uid))
+        self.lease.check()
+        key = self._record_key(record.uid)
+        try:
+            await self.runtime.kv(self.settings.state_bucket).delete(key, last=self._revisions.get(record.uid))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            raise LeaseLostError(f"pod record {key} was written by another watcher; resynchronising from KV") from None
+        self._revisions.pop(record.uid, None)
         self.records.pop(record.uid, None)
         self.metrics.tracked.set(len(self.records))
 
@@ -311,6 +411,7 @@ class PodWatcher:
         due = self._unsaved >= self.settings.resume_save_every or time.monotonic() - self._saved_at >= self.settings.resume_save_interval_s
         if not (force or due):
             return
+        self.lease.check()
         await self.runtime.kv(self.settings.resume_bucket).put(self._resume_key, self.resource_version.encode())
         self._saved_version, self._unsaved, self._saved_at = self.resource_version, 0, time.monotonic()
 
@@ -330,6 +431,7 @@ class PodWatcher:
                 if entry.value:
                     record = PodRecord.model_validate_json(entry.value)
                     self.records[record.uid] = record
+                    self._revisions[record.uid] = entry.revision or 0
                 if entry.delta == 0:
                     break
         finally:
@@ -344,6 +446,7 @@ class PodWatcher:
             try:
                 return await action(*args, **kwargs)
             except (BusError, nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as error:
+                self.lease.check()  # a leader that cannot renew through the outage stops acting when its term ends
                 if self._stopping.is_set():
                     log.warning("bus unavailable while stopping; unsaved changes replay after restart", extra={"error": repr(error)})
                     raise _Stopping from None

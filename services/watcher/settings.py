@@ -27,6 +27,7 @@ class WatcherSettings(BaseSettings):
     backoff_max_s: float = Field(10.0, gt=0)
     resume_bucket: str = Field("isolator-watch-resume", pattern=r"^[A-Za-z0-9_-]+$")
     state_bucket: str = Field("isolator-pod-state", pattern=r"^[A-Za-z0-9_-]+$")
+    lease_ttl_s: float = Field(10.0, ge=0.5, le=300, description="active/standby: a standby takes over after the leader's lease went unrenewed this long")
 
     @model_validator(mode="after")
     def _read_outlives_server_timeout(self) -> WatcherSettings:

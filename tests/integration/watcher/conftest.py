@@ -34,7 +34,7 @@ async def sandbox(tmp_path: Path) -> AsyncIterator[SandboxApi]:
 def watcher_settings(sandbox: SandboxApi) -> WatcherSettings:
     return WatcherSettings(
         kubeconfig=sandbox.settings.kubeconfig, watch_timeout_s=30, read_timeout_s=5, connect_timeout_s=2,
-        backoff_base_s=0.05, backoff_max_s=0.5, resume_save_interval_s=0.2,
+        backoff_base_s=0.05, backoff_max_s=0.5, resume_save_interval_s=0.2, lease_ttl_s=2.0,
     )
 
 

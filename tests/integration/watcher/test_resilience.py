@@ -24,7 +24,7 @@ def assert_exactly_once(events: PodEvents) -> None:
 
 
 async def test_killed_mid_stream_and_restarted_loses_and_repeats_nothing(sandbox: SandboxApi, bus_settings: BusSettings, watcher_settings: WatcherSettings, start_watcher, pod_events: PodEvents) -> None:
-    env = {**os.environ, "KAI_ISOLATOR_NATS_URL": bus_settings.nats_url or "", "KAI_ISOLATOR_WATCHER_RESUME_SAVE_INTERVAL_S": "0.2", "KAI_ISOLATOR_LOG_LEVEL": "warning"}
+    env = {**os.environ, "KAI_ISOLATOR_NATS_URL": bus_settings.nats_url or "", "KAI_ISOLATOR_WATCHER_RESUME_SAVE_INTERVAL_S": "0.2", "KAI_ISOLATOR_WATCHER_LEASE_TTL_S": "2", "KAI_ISOLATOR_LOG_LEVEL": "warning"}
     first = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kai_isolator.services.cli", "watcher", "--kubeconfig", str(watcher_settings.kubeconfig), "--probe-listen", "127.0.0.1:0", env=env,
     )
