@@ -305,9 +305,10 @@ class SimNode:
         directory.mkdir(parents=True, exist_ok=True)
         grant = Grant(pod_uid=meta["uid"], namespace=meta["namespace"], pod=meta["name"], container=container,
                       devices=(DeviceGrant(uuid=FAKE_GPU_UUID, limit_bytes=parse_limit(limit)),), source=GrantSource.CONFIGMAP)
-        path = directory / GRANT_FILE
-        path.write_text(grant.model_dump_json())
-        path.chmod(0o444)
+        path, partial = directory / GRANT_FILE, directory / f".{GRANT_FILE}.tmp"
+        partial.write_text(grant.model_dump_json())
+        partial.chmod(0o444)
+        partial.rename(path)  # atomically, as the node agent does: a reader never sees half a grant
         return path
 
     def inspect(self, request: InspectRequest) -> InspectReply:

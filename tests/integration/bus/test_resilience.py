@@ -14,7 +14,7 @@ from kai_isolator.shared.embedded_nats import EmbeddedNats
 from kai_isolator.shared.errors import BusError
 from kai_isolator.shared.events import HealthVerdict, PodIsolation, PodRef
 from kai_isolator.shared.settings import BusSettings
-from support import RuntimeFactory, eventually
+from support import RuntimeFactory, eventually, publish_until_stored
 
 DRAIN_SERVICE = Path(__file__).with_name("drain_service.py")
 
@@ -53,15 +53,6 @@ async def test_sigterm_finishes_the_message_in_hand_and_returns_the_rest(
     assert sorted(handled) == ["p1", "p2", "p3"]  # p1 was acked before exit: never handled again
     assert sorted(v.pod.name for v in verdicts) == ["p1", "p2", "p3"]
 
-
-async def publish_until_stored(runtime: Runtime, event: PodIsolation) -> None:
-    """At-least-once publishing: retry through an outage; the Nats-Msg-Id makes retries harmless."""
-    while True:
-        try:
-            await runtime.publish(event)
-            return
-        except BusError:
-            await asyncio.sleep(0.1)
 
 
 async def test_nats_server_crash_and_restart_loses_nothing(

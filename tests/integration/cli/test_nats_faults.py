@@ -11,11 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.embedded_nats import EmbeddedNats, free_port
-from kai_isolator.shared.errors import BusError
 from kai_isolator.shared.events import NodeStatus, decode
-from support import RuntimeFactory
+from support import RuntimeFactory, publish_until_stored
 
 CLI = [sys.executable, "-m", "kai_isolator.services.cli"]
 
@@ -23,15 +21,6 @@ CLI = [sys.executable, "-m", "kai_isolator.services.cli"]
 def status(sequence: int) -> NodeStatus:
     return NodeStatus(node_name="gpu-1", sequence=sequence, ready=True, active_version="abc123")
 
-
-async def publish_until_stored(runtime: Runtime, event: NodeStatus) -> None:
-    """At-least-once publishing through an outage; the Nats-Msg-Id makes a retry harmless."""
-    while True:
-        try:
-            await runtime.publish(event)
-            return
-        except BusError:
-            await asyncio.sleep(0.1)
 
 
 @pytest.fixture

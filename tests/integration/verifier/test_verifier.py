@@ -12,12 +12,11 @@ from kai_isolator.services.verifier.service import Verifier
 from kai_isolator.services.verifier.settings import VerifierSettings
 from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import Runtime
-from kai_isolator.shared.errors import BusError
 from kai_isolator.shared.events import (
     DeviceUsage, HealthVerdict, InspectReply, InspectRequest, NodeStatus, PodIsolation, PodRef, ProcessReport,
 )
 from kai_isolator.shared.settings import BusSettings
-from support import RuntimeFactory, eventually
+from support import RuntimeFactory, eventually, publish_until_stored
 
 LIB = "/usr/local/vgpu/libvgpu.so"
 GRANTED = 4147 << 20
@@ -210,15 +209,6 @@ def settings_redeliveries(bus_settings: BusSettings) -> int:
 def distinct(verdicts: Iterable[HealthVerdict]) -> list[str]:
     return [v.verdict for v in {v.observation: v for v in verdicts}.values()]
 
-
-async def publish_until_stored(runtime: Runtime, event: PodIsolation) -> None:
-    """At-least-once publishing through the end of an outage; the Nats-Msg-Id makes a retry harmless."""
-    while True:
-        try:
-            await runtime.publish(event)
-            return
-        except BusError:
-            await asyncio.sleep(0.1)
 
 
 def sample(verifier: Verifier, name: str, **labels: str) -> float:
