@@ -14,7 +14,7 @@ CUDA_HEADERS := $(CUDA_HOME)/include/cuda.h
 endif
 export CUDA_HOME
 
-.PHONY: test run hami-core bench clean contract contract-tools
+.PHONY: test run hami-core bench clean contract contract-tools control-plane
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,7 +29,7 @@ $(abspath $(CUDA_WHEEL_DIR))/nvidia/cu13/include/cuda.h: | $(STAMP)
 hami-core: $(CUDA_HEADERS)
 	$(MAKE) -C hami-core CUDA_HOME=$(CUDA_HOME)
 
-test: $(STAMP) hami-core contract-tools
+test: $(STAMP) hami-core contract-tools control-plane
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The event contract (docs/events): regenerate it from the code; build its validator and example subscribers.
@@ -38,6 +38,11 @@ contract: $(STAMP)
 
 contract-tools:
 	$(MAKE) -C docs/events tools
+
+# The real etcd, kube-apiserver and kubectl the tests run against, built from tests/control_plane/go once per
+# version into ~/.cache/kai-isolator/kube (KAI_ISOLATOR_KUBE_CACHE moves it); needs Go and its module proxy.
+control-plane: $(STAMP)
+	$(BIN)/python tests/control_plane/build.py
 
 run: $(STAMP) hami-core
 	$(BIN)/kai-isolator dev --demo

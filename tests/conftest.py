@@ -14,8 +14,9 @@ from support import RuntimeFactory
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# Node agent fixtures (`libraries`, `start_agent`) serve the node agent and installer tests alike.
-pytest_plugins = ["nodeagent_fixtures"]
+# Node agent fixtures (`libraries`, `start_agent`) serve the node agent and installer tests alike;
+# the real control plane (`control_plane`, `deployed`) starts only for the tests that ask for it.
+pytest_plugins = ["nodeagent_fixtures", "control_plane.fixtures"]
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ READ_VERBS = {"get", "list", "watch"}
 NO_API = {"webhook", "installer"}
 # What the node agent reads to compute grants (its node's pods, field-selected; their ConfigMaps; its
 # node) and the enforcer's IsolationBreached Events.
-NODEAGENT_ACCESS = {("pods", "get"), ("pods", "list"), ("pods", "watch"), ("configmaps", "get"), ("nodes", "get"),
+NODEAGENT_ACCESS = {("pods", "list"), ("pods", "watch"), ("configmaps", "get"), ("nodes", "get"),
                     ("events", "create")}
 
 

@@ -1,0 +1,211 @@
+"""Builds the tests' real control plane (etcd, kube-apiserver, kubectl) from the pinned Go modules in `go/`, once.
+
+The binaries land in a cache outside the repo (`~/.cache/kai-isolator/kube/<component>-<version>-<digest>/`),
+keyed by the module files, so a second run, or another checkout, reuses them. `python tests/control_plane/build.py`
+builds what is missing and prints the paths; `make test` runs it first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+MODULES = Path(__file__).resolve().parent / "go"
+PROGRESS_EVERY_S = 20.0
+
+
+class BuildError(RuntimeError):
+    """The control plane could not be built: no Go toolchain, a module that does not build, a missing file."""
+
+
+@dataclass(frozen=True)
+class Component:
+    """One Go module folder and the programs built from it."""
+
+    name: str
+    folder: Path
+    module: str  # the module whose version names the cache entry
+    packages: tuple[str, ...]  # package paths for `go build`, relative to the folder
+
+    @property
+    def version(self) -> str:
+        text = (self.folder / "go.mod").read_text()
+        found = re.search(rf"^(?:require)?\s*{re.escape(self.module)} (v\S+)(?: // indirect)?$", text, re.M)
+        if found is None:
+            raise BuildError(f"{self.folder / 'go.mod'}: no `require {self.module} vX.Y.Z` line")
+        return found.group(1)
+
+    def ldflags(self) -> str:
+        flags = ["-s", "-w"]
+        if self.module == "k8s.io/kubernetes":
+            # What hack/lib/version.sh stamps: without it the binaries call themselves v0.0.0-master.
+            major, minor = self.version.lstrip("v").split(".")[:2]
+            for package in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
+                flags += [f"-X {package}.gitVersion={self.version}", f"-X {package}.gitMajor={major}",
+                          f"-X {package}.gitMinor={minor}", f"-X {package}.gitTreeState=clean"]
+        return " ".join(flags)
+
+    def digest(self) -> str:
+        """What the binaries depend on besides the toolchain: the module files, sources and flags."""
+        sha = hashlib.sha256(self.ldflags().encode())
+        for path in sorted(self.folder.iterdir()):
+            if path.is_file():
+                sha.update(path.name.encode() + b"\0" + path.read_bytes())
+        return sha.hexdigest()[:12]
+
+    def programs(self) -> list[str]:
+        return [self.name if p == "." else p.rsplit("/", 1)[1] for p in self.packages]
+
+
+ETCD = Component("etcd", MODULES / "etcd", "go.etcd.io/etcd/server/v3", (".",))
+KUBE = Component("kubernetes", MODULES / "apiserver", "k8s.io/kubernetes",
+                 ("k8s.io/kubernetes/cmd/kube-apiserver", "k8s.io/kubernetes/cmd/kubectl"))
+COMPONENTS = (ETCD, KUBE)
+
+
+def cache_root() -> Path:
+    explicit = os.environ.get("KAI_ISOLATOR_KUBE_CACHE")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kai-isolator" / "kube"
+
+
+def entry(component: Component) -> Path:
+    return cache_root() / f"{component.name}-{component.version}-{component.digest()}"
+
+
+def _go() -> str:
+    go = shutil.which("go")
+    if go is None:
+        raise BuildError("the test control plane is built from Go modules, and no `go` is on PATH: install Go >= 1.26")
+    return go
+
+
+def _go_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # Two jobs and a nice level, so people sharing a small machine can still work while it builds;
+    # the local toolchain only, and the committed go.sum as the only truth for what gets downloaded.
+    env["GOFLAGS"] = " ".join(f for f in (env.get("GOFLAGS", ""), "-p=2", "-trimpath", "-buildvcs=false", "-mod=readonly") if f)
+    env["GOTOOLCHAIN"] = "local"
+    return env
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """One builder per cache entry at a time: a concurrent run waits and then finds the binaries."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _count_packages(component: Component, env: dict[str, str]) -> int:
+    done = subprocess.run([_go(), "list", "-deps", *component.packages], cwd=component.folder, env=env,
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise BuildError(f"go list in {component.folder} failed:\n{done.stderr.strip()}")
+    return len(done.stdout.split())
+
+
+def _build(component: Component, target: Path, log: TextIO) -> None:
+    env = _go_env()
+    total = _count_packages(component, env)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{component.name}-", dir=target.parent))
+    started = time.monotonic()
+    compiled = 0
+    lines: list[str] = []
+    command = ["nice", "-n", "10", _go(), "build", "-v", "-ldflags", component.ldflags(), "-o", str(scratch) + "/", *component.packages]
+    process = subprocess.Popen(command, cwd=component.folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stop = threading.Event()
+
+    def report() -> None:  # a line while it builds: the first build takes many minutes
+        while not stop.wait(PROGRESS_EVERY_S):
+            print(f"  building {component.name} {component.version}: {compiled}/{total} packages compiled, "
+                  f"{time.monotonic() - started:.0f}s", file=log, flush=True)
+
+    reporter = threading.Thread(target=report, daemon=True)
+    reporter.start()
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            compiled += 1  # `go build -v` names each package as it compiles it (cached ones are not named)
+            lines.append(line)
+        rc = process.wait()
+    finally:
+        stop.set()
+        reporter.join()
+    if rc != 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+        tail = "".join(lines[-40:])
+        raise BuildError(f"go build of {component.name} {component.version} in {component.folder} exited {rc}:\n{tail}")
+    for program in component.programs():
+        if not (scratch / program).is_file():
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise BuildError(f"go build of {component.name} left no {program} in {scratch}")
+    os.replace(scratch, target)  # atomic: a reader sees the whole entry or none
+    print(f"built {component.name} {component.version} ({', '.join(component.programs())}) in "
+          f"{time.monotonic() - started:.0f}s -> {target}", file=log, flush=True)
+
+
+def ensure(component: Component, log: TextIO = sys.stderr) -> Path:
+    """The cache entry holding `component`'s programs, built first if it is not there."""
+    target = entry(component)
+    if all((target / p).is_file() for p in component.programs()):
+        return target
+    with _locked(target.with_name(target.name + ".lock")):
+        if all((target / p).is_file() for p in component.programs()):
+            return target  # built by a concurrent run while this one waited
+        if target.exists():
+            shutil.rmtree(target)
+        _go()  # no toolchain: say so before promising a build
+        print(f"building {component.name} {component.version} from {component.folder} into {target.parent} "
+              "(once per version; the first build takes a while)", file=log, flush=True)
+        _build(component, target, log)
+    return target
+
+
+@dataclass(frozen=True)
+class Binaries:
+    etcd: Path
+    kube_apiserver: Path
+    kubectl: Path
+    kube_version: str
+    etcd_version: str
+
+
+def ensure_all(log: TextIO = sys.stderr) -> Binaries:
+    etcd = ensure(ETCD, log)
+    kube = ensure(KUBE, log)
+    return Binaries(etcd / "etcd", kube / "kube-apiserver", kube / "kubectl", KUBE.version, ETCD.version)
+
+
+def main() -> int:
+    started = time.monotonic()
+    try:
+        binaries = ensure_all()
+    except BuildError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"control plane ready in {time.monotonic() - started:.1f}s: etcd {binaries.etcd_version} {binaries.etcd}, "
+          f"kube-apiserver {binaries.kube_version} {binaries.kube_apiserver}, kubectl {binaries.kubectl}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

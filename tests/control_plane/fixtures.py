@@ -1,0 +1,91 @@
+"""pytest fixtures on the real control plane: one etcd + kube-apiserver per session, deploy/ applied, per-test namespaces.
+
+Registered from tests/conftest.py; nothing starts unless a test asks for `control_plane`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from control_plane.build import Binaries, BuildError, ensure_all
+from control_plane.cluster import ControlPlane, ControlPlaneError
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = REPO / "deploy" / "kustomize" / "base"
+NAMESPACE = "kai-resource-isolator"
+_started: list[ControlPlane] = []
+_names = itertools.count()
+_built: list[Binaries | BuildError] = []
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Build what the cache lacks before any test runs: outside every test's timeout, its progress on the terminal."""
+    if not any("control_plane" in getattr(item, "fixturenames", ()) for item in items):
+        return
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        try:
+            _built.append(ensure_all(sys.stderr))
+        except BuildError as error:
+            _built.append(error)  # the tests that need it fail with this; the rest of the suite still runs
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """etcd + kube-apiserver (Node,RBAC; default admission plugins), from the build cache."""
+    binaries = _built[0] if _built else ensure_all(sys.stderr)
+    if isinstance(binaries, BuildError):
+        raise ControlPlaneError(f"the control plane could not be built: {binaries}")
+    plane = ControlPlane(binaries, tmp_path_factory.mktemp("control-plane"))
+    atexit.register(plane.stop)  # also when the session ends without teardown (an interrupt during setup)
+    started = time.monotonic()
+    plane.start()
+    plane.startup_s["total"] = time.monotonic() - started
+    _started.append(plane)
+    try:
+        yield plane
+    finally:
+        plane.stop()
+
+
+@pytest.fixture(scope="session")
+def deployed(control_plane: ControlPlane) -> list[dict[str, Any]]:
+    """deploy/kustomize/base applied as a user applies it (`kubectl apply -k`); the objects it holds."""
+    control_plane.kubectl("apply", "-k", str(BASE))
+    return [d for d in yaml.safe_load_all(control_plane.kubectl("kustomize", str(BASE)).stdout) if d]
+
+
+def unique_name(prefix: str) -> str:
+    return f"{prefix}-{next(_names)}"
+
+
+def make_namespace(plane: ControlPlane, prefix: str = "test", labels: dict[str, str] | None = None) -> str:
+    """A fresh namespace with its `default` ServiceAccount (which the controller-manager, absent here, would create)."""
+    name = unique_name(prefix)
+    plane.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                                 "metadata": {"name": name, "labels": labels or {}}})
+    plane.request("POST", f"/api/v1/namespaces/{name}/serviceaccounts", {"apiVersion": "v1", "kind": "ServiceAccount",
+                                                                         "metadata": {"name": "default"}})
+    return name
+
+
+@pytest.fixture
+def namespace(control_plane: ControlPlane) -> str:
+    return make_namespace(control_plane)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for plane in _started:
+        times = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in plane.startup_s.items())
+        terminalreporter.write_line(f"real control plane (kube-apiserver {plane.binaries.kube_version}, etcd "
+                                    f"{plane.binaries.etcd_version}) started in: {times}")
