@@ -88,7 +88,8 @@ def entry(component: Component) -> Path:
 
 
 def _go() -> str:
-    go = shutil.which("go")
+    # Go's own installer puts it in /usr/local/go, which a non-login shell's PATH may lack.
+    go = shutil.which("go") or shutil.which("go", path="/usr/local/go/bin")
     if go is None:
         raise BuildError("the test control plane is built from Go modules, and no `go` is on PATH: install Go >= 1.26")
     return go

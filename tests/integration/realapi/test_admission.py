@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import base64
+import http.client
+import http.server
 import json
+import ssl
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,8 +16,9 @@ import pytest
 import trustme
 import yaml
 
-from control_plane.cluster import ApiCallError, ControlPlane
+from control_plane.cluster import ApiCallError, ControlPlane, free_port
 from control_plane.fixtures import NAMESPACE, make_namespace
+from control_plane.node import kai_admit
 from control_plane.webhook import SECRET, RunningWebhook, run_certs
 from kai_isolator.shared.embedded_nats import EmbeddedNats
 
@@ -131,3 +136,91 @@ def test_the_api_server_checks_the_webhook_certificate(control_plane: ControlPla
     finally:
         restore = [{"op": "replace", "path": "/webhooks/0/clientConfig/caBundle", "value": good}]
         control_plane.request("PATCH", path, restore, content_type="application/json-patch+json")
+
+
+class KaiAdmissionStandIn:
+    """An HTTPS webhook that mutates as KAI-Scheduler's admission does (the limit env from its ConfigMap), after ours."""
+
+    def __init__(self) -> None:
+        self.ca = trustme.CA()
+        self.calls = 0
+        leaf = self.ca.issue_cert("127.0.0.1")
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        leaf.configure_cert(context)
+        stand_in = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                review = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                stand_in.calls += 1
+                pod = review["request"]["object"]
+                shaped = kai_admit(json.loads(json.dumps({**pod, "metadata": {**pod["metadata"], "name": "p"}})))
+                ops = [{"op": "replace", "path": "/metadata/annotations", "value": shaped["metadata"]["annotations"]},
+                       {"op": "add", "path": "/spec/containers/0/env", "value": shaped["spec"]["containers"][0]["env"]}]
+                answer = {"uid": review["request"]["uid"], "allowed": True, "patchType": "JSONPatch",
+                          "patch": base64.b64encode(json.dumps(ops).encode()).decode()}
+                body = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": answer}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def configuration(self, label: str) -> dict[str, Any]:
+        """Named after ours alphabetically, so the API server calls it second; only pods carrying `label`."""
+        port = self.server.server_address[1]
+        return {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+                "metadata": {"name": "kai-scheduler-standin"},
+                "webhooks": [{"name": "gpusharing.kai-scheduler.standin", "admissionReviewVersions": ["v1"], "sideEffects": "None",
+                              "failurePolicy": "Fail", "timeoutSeconds": 5,
+                              "clientConfig": {"url": f"https://127.0.0.1:{port}/mutate",
+                                               "caBundle": base64.b64encode(self.ca.cert_pem.bytes()).decode()},
+                              "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}],
+                              "objectSelector": {"matchLabels": {label: "true"}}}]}
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _decisions(webhook: RunningWebhook, plane: ControlPlane) -> float:
+    """Our webhook's decision count, from its own /metrics (over its TLS port, trusting the Secret's CA)."""
+    context = ssl.create_default_context(cadata=base64.b64decode(
+        plane.request("GET", f"/api/v1/namespaces/{NAMESPACE}/secrets/{SECRET}")["data"]["ca.crt"]).decode())
+    context.check_hostname = False  # the certificate names the Service; the chain is still checked
+    connection = http.client.HTTPSConnection(webhook.address, webhook.port, context=context, timeout=5)
+    connection.request("GET", "/metrics")
+    text = connection.getresponse().read().decode()
+    connection.close()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("kai_isolator_admission_decisions_total{"))
+
+
+def test_reinvoked_after_kai_mutates_the_pod_it_injects_once(control_plane: ControlPlane, webhook: RunningWebhook) -> None:
+    """reinvocationPolicy IfNeeded, evaluated by a real API server: KAI's admission changes the pod after us, we are called
+    again, and our second answer adds nothing (a second copy of our volume would make the pod invalid)."""
+    label = "test.kai-isolator.io/kai-standin"
+    kai = KaiAdmissionStandIn()
+    path = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
+    control_plane.request("POST", path, kai.configuration(label))
+    try:
+        namespace = make_namespace(control_plane, "reinvoked")
+        before = _decisions(webhook, control_plane)
+        seed = yaml.safe_load(SEED_POD)
+        seed["metadata"]["labels"] = {label: "true"}
+        pod = _create(control_plane, namespace, yaml.safe_dump(seed))
+    finally:
+        control_plane.request("DELETE", f"{path}/kai-scheduler-standin")
+        kai.stop()
+    assert kai.calls == 1
+    assert _decisions(webhook, control_plane) - before == 2  # ours, KAI's, ours again
+    assert [v["name"] for v in pod["spec"]["volumes"]].count(LIBRARY_VOLUME) == 1
+    env = [e["name"] for e in pod["spec"]["containers"][0]["env"]]
+    assert "CUDA_DEVICE_MEMORY_LIMIT" in env and "POD_UID" in env and len(env) == len(set(env))
