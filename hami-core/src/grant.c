@@ -43,7 +43,10 @@ static int peek(struct reader *r, char c) {
     return r->p < r->end && *r->p == c;
 }
 
-/* A string into out (escapes other than \" and \\ are kept verbatim: no field we read has them). */
+static int hex_digit(char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
+
+/* A JSON string. With `out`, its value is kept (escapes decoded); a \u escape there is refused, as
+ * no field we read carries one (the node agent writes plain ASCII UUIDs and key names). */
 static int read_string(struct reader *r, char *out, size_t cap) {
     if (expect(r, '"') != 0) return -1;
     size_t n = 0;
@@ -53,26 +56,73 @@ static int read_string(struct reader *r, char *out, size_t cap) {
         if (c == '\\') {
             if (r->p >= r->end) return -1;
             c = *r->p++;
+            switch (c) {
+                case '"': case '\\': case '/': break;
+                case 'b': c = '\b'; break;
+                case 'f': c = '\f'; break;
+                case 'n': c = '\n'; break;
+                case 'r': c = '\r'; break;
+                case 't': c = '\t'; break;
+                case 'u':
+                    if (out || r->end - r->p < 4 || !hex_digit(r->p[0]) || !hex_digit(r->p[1]) || !hex_digit(r->p[2]) ||
+                        !hex_digit(r->p[3]))
+                        return -1;
+                    r->p += 4;
+                    continue;
+                default: return -1;
+            }
         }
-        if (out && n + 1 < cap) out[n] = c;
-        if (out && n + 1 >= cap) return -1;
+        if (out) {
+            if (n + 1 >= cap) return -1;
+            out[n] = c;
+        }
         n++;
     }
-    if (out) out[n < cap ? n : cap - 1] = '\0';
+    if (out) out[n] = '\0';
     return expect(r, '"');
 }
 
+static int is_digit(char c) { return c >= '0' && c <= '9'; }
+
+/* A JSON number (to skip it): -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)? */
+static int skip_number(struct reader *r) {
+    if (r->p < r->end && *r->p == '-') r->p++;
+    if (r->p >= r->end || !is_digit(*r->p)) return -1;
+    if (*r->p++ != '0')
+        while (r->p < r->end && is_digit(*r->p)) r->p++;
+    if (r->p < r->end && *r->p == '.') {
+        if (++r->p >= r->end || !is_digit(*r->p)) return -1;
+        while (r->p < r->end && is_digit(*r->p)) r->p++;
+    }
+    if (r->p < r->end && (*r->p == 'e' || *r->p == 'E')) {
+        if (++r->p < r->end && (*r->p == '+' || *r->p == '-')) r->p++;
+        if (r->p >= r->end || !is_digit(*r->p)) return -1;
+        while (r->p < r->end && is_digit(*r->p)) r->p++;
+    }
+    return 0;
+}
+
+/* A whole number that fits 64 bits, written as JSON writes it (no sign, fraction, exponent or
+ * leading zero). */
 static int read_u64(struct reader *r, uint64_t *value) {
     skip_ws(r);
     uint64_t v = 0;
     const char *start = r->p;
-    while (r->p < r->end && *r->p >= '0' && *r->p <= '9') {
+    while (r->p < r->end && is_digit(*r->p)) {
         unsigned digit = (unsigned)(*r->p++ - '0');
         if (v > (UINT64_MAX - digit) / 10) return -1;
         v = v * 10 + digit;
     }
-    if (r->p == start || (r->p < r->end && (*r->p == '.' || *r->p == 'e' || *r->p == 'E'))) return -1;
+    if (r->p == start || (*start == '0' && r->p - start > 1)) return -1;
+    if (r->p < r->end && (*r->p == '.' || *r->p == 'e' || *r->p == 'E')) return -1;
     *value = v;
+    return 0;
+}
+
+static int skip_literal(struct reader *r, const char *word) {
+    size_t len = strlen(word);
+    if ((size_t)(r->end - r->p) < len || memcmp(r->p, word, len) != 0) return -1;
+    r->p += len;
     return 0;
 }
 
@@ -95,9 +145,10 @@ static int skip_value(struct reader *r, int depth) {
         case '"': return read_string(r, NULL, 0);
         case '{': return skip_container(r, '{', '}', depth);
         case '[': return skip_container(r, '[', ']', depth);
-        default:
-            while (r->p < r->end && strchr("+-.0123456789eEtruefalsn", *r->p)) r->p++;
-            return 0;
+        case 't': return skip_literal(r, "true");
+        case 'f': return skip_literal(r, "false");
+        case 'n': return skip_literal(r, "null");
+        default: return skip_number(r);
     }
 }
 
@@ -141,7 +192,7 @@ int vgpu_grant_parse(const char *text, size_t len, struct vgpu_grant *grant) {
     if (expect(&r, '{') != 0) return -1;
     if (!peek(&r, '}')) {
         do {
-            char key[32];
+            char key[64];
             if (read_string(&r, key, sizeof key) != 0 || expect(&r, ':') != 0) return -1;
             if (strcmp(key, "version") == 0) {
                 if (read_u64(&r, &version) != 0) return -1;
