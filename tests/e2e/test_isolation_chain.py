@@ -141,6 +141,12 @@ def test_make_run_shows_the_whole_flow_and_leaves_nothing_running() -> None:
     ):
         assert step in out, f"missing timeline step {step!r} in:\n{out}"
     assert out.index(HEALTHY_DEMO_POD) < out.index("opted-out: MISSING") < out.index("webhook-was-down: MISSING")
+    # Step 5, the real kubectl plugin on the demo stack's API: problems first, then the healthy pod.
+    status = out[out.index("kubectl isolator status -A, then nodes"):]
+    rows = [line.split() for line in status.splitlines() if line.strip().startswith("default ")]
+    assert [row[1] for row in rows][-1] == "gpu-sharing-demo" and rows[-1][6] == "verified", status
+    assert {row[1]: row[6] for row in rows}["bypass-demo"] == "breached", status
+    assert "isolator status -A: exit code 3" in status and "isolator nodes: exit code 0" in status
     after = set(_pids_of("cuprobe")) | set(_pids_of("nats-server"))
     assert after <= before
 
