@@ -235,7 +235,10 @@ class PodWatcher:
                 present.add(view.uid)
                 await self._observe(view)
         for uid in [u for u in self.records if u not in present]:
-            await self._close(self.records[uid], version)
+            if _closed(self.records[uid]):
+                await self._retrying("bus", self._drop_record, self.records[uid])
+            else:
+                await self._close(self.records[uid], version)
         self.resource_version = version
         await self._retrying("bus", self._save_resume, force=True)
         log.info("pods listed and reconciled", extra={"resource_version": version, "tracked": len(self.records)})
@@ -267,7 +270,7 @@ class PodWatcher:
                         await self._observe(view)
                     # By uid: a pod whose GPU annotations were removed before deletion still ends its story.
                     uid = str((pod.get("metadata") or {}).get("uid") or "")
-                    if uid in self.records:
+                    if uid in self.records and not _closed(self.records[uid]):
                         await self._close(self.records[uid], str((pod.get("metadata") or {}).get("resourceVersion") or ""))
                 version = str((pod.get("metadata") or {}).get("resourceVersion") or "")
                 if version:
@@ -279,6 +282,8 @@ class PodWatcher:
 
     async def _observe(self, view: PodView) -> None:
         record = self.records.get(view.uid)
+        if record is not None and _closed(record):
+            return  # a replay (after a takeover or crash) of a pod whose story is already closed
         limit = await self._expected_limit(view) if needs_limit(view, record) else None
         events, updated = advance(view, record, limit)
         if not events:
@@ -295,7 +300,7 @@ class PodWatcher:
         closing = record.model_copy(update={"pending": [event]})
         await self._retrying("bus", self._put_record, closing)
         await self._retrying("bus", self._publish, event)
-        await self._retrying("bus", self._drop_record, record)
+        await self._retrying("bus", self._put_record, _tombstone(closing))
 
     async def _recover(self) -> None:
         """Finish what a crash interrupted: publish each record's pending events the stream does not have yet."""
@@ -314,7 +319,7 @@ class PodWatcher:
             if unsent:
                 log.info("republished events interrupted by a crash", extra={"pod": f"{record.namespace}/{record.name}", "events": len(unsent)})
             if any(e.state == "deleted" for e in record.pending):
-                await self._drop_record(record)
+                await self._put_record(_tombstone(record))
 
     async def _expected_limit(self, view: PodView) -> str | None:
         """Read the limit KAI granted: a literal env value, or the ConfigMap key its binder wrote."""
@@ -414,6 +419,9 @@ class PodWatcher:
         self.lease.check()
         await self.runtime.kv(self.settings.resume_bucket).put(self._resume_key, self.resource_version.encode())
         self._saved_version, self._unsaved, self._saved_at = self.resource_version, 0, time.monotonic()
+        # No replay can start before the saved version any more: closed stories older than it can go.
+        for record in [r for r in self.records.values() if _closed(r) and _not_after(r.resource_version, self._saved_version)]:
+            await self._drop_record(record)
 
     async def _load_state(self) -> None:
         """Read the resume version and every pod record of this scope back from KV."""
@@ -454,6 +462,25 @@ class PodWatcher:
                 log.warning("bus unavailable; holding the watch until it returns", extra={"error": f"{type(error).__name__}: {error}", "retry_in_s": delay})
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.backoff_max_s)
+
+
+def _closed(record: PodRecord) -> bool:
+    """A tombstone: the pod's `deleted` event is out; kept until no replay can reach back before it."""
+    return "deleted" in record.emitted and not record.pending
+
+
+def _tombstone(record: PodRecord) -> PodRecord:
+    deleted = [e for e in record.pending if e.state == "deleted"]
+    version = deleted[-1].resource_version if deleted else record.resource_version
+    return record.model_copy(update={"pending": [], "emitted": [*record.emitted, "deleted"], "resource_version": version})
+
+
+def _not_after(version: str, saved: str) -> bool:
+    """resourceVersions are opaque; etcd's are integers, and anything else is simply kept until a relist."""
+    try:
+        return int(version) <= int(saved)
+    except ValueError:
+        return False
 
 
 def _status_message(body: bytes) -> str:

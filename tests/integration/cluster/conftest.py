@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import nats
+import nats.errors
+import nats.js.errors
 import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
 
 from kai_isolator.shared import subjects
 from kai_isolator.shared.embedded_nats import ClusterMember, EmbeddedCluster
@@ -59,5 +63,64 @@ async def stream_state(cluster: EmbeddedCluster, stream: str = subjects.STREAM_N
         info = await nc.jetstream(timeout=3).stream_info(stream)
         current = [r.name for r in (info.cluster.replicas or []) if r.current] if info.cluster else []
         return info.state.messages, info.config.num_replicas or 1, current
+    finally:
+        await nc.close()
+
+
+@pytest.fixture
+async def sandbox(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """The sandbox Kubernetes API with a fast simulated GPU node (pods reach Running in a few steps)."""
+    from kai_isolator.services.sandbox.api import SandboxApi
+    from kai_isolator.services.sandbox.settings import SandboxSettings
+
+    settings = SandboxSettings(kubeconfig=tmp_path / "kubeconfig", bookmark_interval_s=0.2, node_step_s=0.02, retained_events=100_000)
+    async with SandboxApi(settings) as api:
+        yield api
+
+
+def gpu_pod(name: str, node: str = "gpu-node-1") -> dict[str, Any]:
+    """A pod asking for a GPU share without the webhook's library (its story: admitted .. running)."""
+    return {"metadata": {"name": name, "annotations": {"gpu-memory": "4096"}},
+            "spec": {"containers": [{"name": "main", "image": "busybox"}], "nodeSelector": {"kubernetes.io/hostname": node}}}
+
+
+async def stream_events(url: str, filter_subject: str) -> list[Any]:
+    """Every event in the stream under `filter_subject`, in stream order (an ephemeral consumer, read to the end).
+
+    Read again from the start when the cluster answers "not now" (a consumer placed while a server catches up).
+    """
+    from kai_isolator.shared.events import decode
+
+    for _ in range(10):
+        nc = await nats.connect(url.split(","))
+        try:
+            psub = await nc.jetstream(timeout=5).pull_subscribe(
+                filter_subject, stream=subjects.STREAM_NAME, config=ConsumerConfig(ack_policy=AckPolicy.ALL))
+            found: list[Any] = []
+            while True:
+                try:
+                    batch = await psub.fetch(1000, timeout=1.5)
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    return found
+                found += [decode(m.data)[1] for m in batch]
+                await batch[-1].ack()  # AckAll: the consumer's 1000 unacked messages would stop it
+        except nats.js.errors.ServiceUnavailableError:
+            await asyncio.sleep(0.5)
+        finally:
+            await nc.close()
+    raise AssertionError(f"the stream could not be read under {filter_subject}")
+
+
+async def lease_holder(url: str, key: str) -> str | None:
+    from kai_isolator.shared.lease import LEASE_BUCKET, LeaseRecord
+
+    nc = await nats.connect(url.split(","))
+    try:
+        kv = await nc.jetstream(timeout=3).key_value(LEASE_BUCKET)
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return LeaseRecord.model_validate_json(entry.value).holder if entry.value else None
     finally:
         await nc.close()

@@ -69,6 +69,8 @@ async def published(url: str) -> list[str]:
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 return ids
             ids += [decode(m.data)[0].id for m in batch]
+            for m in batch:
+                await m.ack()
     finally:
         await nc.close()
 
