@@ -6,6 +6,7 @@ import argparse
 
 from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.embedded_nats import bus_url
+from kai_isolator.shared.errors import ConfigError
 from kai_isolator.shared.settings import BusSettings, load
 
 from . import rollout
@@ -20,6 +21,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--nodes", help="comma-separated node names (default: every node whose agent has reported)")
     parser.add_argument("--rollout-id", help="KV key of this rollout (default libvgpu-<version>); the same id resumes")
     parser.add_argument("--node-timeout-s", type=float, default=120.0, help="how long one node may take (default 120)")
+    parser.add_argument("--lease-ttl-s", type=float, default=15.0, help="one rollout at a time across installers: another takes over after this long without renewal (default 15)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and change nothing")
     return parser
 
@@ -27,16 +29,18 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 async def run(args: argparse.Namespace) -> int:
     rollout.batches([], args.max_unavailable)  # bad flags fail before connecting
     rollout.check_version(args.target_version)
+    if args.lease_ttl_s <= 0:
+        raise ConfigError(f"--lease-ttl-s must be positive, got {args.lease_ttl_s}")
     settings = load(BusSettings, args)
     only = [n.strip() for n in args.nodes.split(",") if n.strip()] if args.nodes else None
     async with bus_url(settings) as url:
-        runtime = Runtime(SERVICE, settings, kv_buckets=[rollout.NODE_BUCKET, rollout.ROLLOUT_BUCKET])
+        runtime = Runtime(SERVICE, settings, kv_buckets=[rollout.NODE_BUCKET, rollout.ROLLOUT_BUCKET, rollout.LEASE_BUCKET])
         await runtime.start(url)
         try:
             if args.dry_run:
                 return await _print_plan(runtime, args.target_version, only, args.max_unavailable, args.rollout_id)
             state = await rollout.run_rollout(runtime, args.target_version, max_unavailable=args.max_unavailable, only=only,
-                                              rollout_id=args.rollout_id, node_timeout_s=args.node_timeout_s)
+                                              rollout_id=args.rollout_id, node_timeout_s=args.node_timeout_s, lease_ttl_s=args.lease_ttl_s)
         finally:
             await runtime.stop()
     if state.phase == "halted":

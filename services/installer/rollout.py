@@ -1,6 +1,9 @@
 """The rollout driver: moves node agents to a target library version in batches of at most
 `max_unavailable` nodes, waits for each node's own report, halts at the first failure and
-keeps its progress in KV so a restarted driver resumes where it stopped."""
+keeps its progress in KV so a restarted driver resumes where it stopped.
+
+Replicas: one rollout at a time across all installers (the `installer.rollout` KV lease); a
+second installer waits, and takes over (resuming from KV) when the holder dies."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.errors import BusError, ConfigError
 from kai_isolator.shared.events import InstallReply, InstallRequest, NodeStatus, RolloutPhase, RolloutProgress
+from kai_isolator.shared.lease import LEASE_BUCKET, Lease, holder_name
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +30,8 @@ NODE_BUCKET = subjects.NODE_STATUS_BUCKET
 """Written by the node agents: node name -> latest NodeStatus (same name as the agent's setting)."""
 ROLLOUT_BUCKET = "isolator_rollouts"
 """rollout id -> RolloutState."""
+LEASE_KEY = "installer.rollout"
+"""One lease for every rollout: two rollouts at once would each count the other's nodes as unavailable."""
 
 
 class RolloutState(BaseModel):
@@ -120,11 +126,34 @@ async def save_state(runtime: Runtime, state: RolloutState) -> None:
 
 
 async def run_rollout(runtime: Runtime, version: str, *, max_unavailable: int = 1, only: Sequence[str] | None = None,
-                      rollout_id: str | None = None, node_timeout_s: float = 120.0) -> RolloutState:
-    """Drive the rollout to completion or to the first failing node."""
+                      rollout_id: str | None = None, node_timeout_s: float = 120.0, lease_ttl_s: float | None = None) -> RolloutState:
+    """Drive the rollout to completion or to the first failing node.
+
+    With `lease_ttl_s` (and LEASE_BUCKET provisioned) it first waits for the rollout lease and
+    keeps it while driving; each step is checked against it (LeaseLostError when taken over).
+    """
     check_version(version)
     rollout_id = rollout_id or default_rollout_id(version)
     subjects.encode_token(rollout_id)
+    if lease_ttl_s is None:
+        return await _drive(runtime, version, max_unavailable, only, rollout_id, node_timeout_s, None)
+    lease = Lease(runtime.kv(LEASE_BUCKET), LEASE_KEY, holder_name("installer"), lease_ttl_s)
+    await lease.acquire()
+    keeper = asyncio.create_task(lease.keep(), name="rollout-lease")
+    try:
+        return await _drive(runtime, version, max_unavailable, only, rollout_id, node_timeout_s, lease)
+    finally:
+        keeper.cancel()
+        await asyncio.gather(keeper, return_exceptions=True)
+        await lease.release()
+
+
+async def _drive(runtime: Runtime, version: str, max_unavailable: int, only: Sequence[str] | None, rollout_id: str,
+                 node_timeout_s: float, lease: Lease | None) -> RolloutState:
+    def fence() -> None:
+        if lease is not None:
+            lease.check()
+
     state = await load_state(runtime, rollout_id)
     if state is not None and state.version != version:
         raise ConfigError(f"rollout {rollout_id} is for version {state.version}, not {version}; pick another --rollout-id")
@@ -133,14 +162,17 @@ async def run_rollout(runtime: Runtime, version: str, *, max_unavailable: int = 
     else:
         log.info("resuming rollout from KV", extra={"rollout": rollout_id, "done": state.done, "phase": state.phase})
         state = state.model_copy(update={"phase": "progressing", "failed_node": None, "message": ""})
+    fence()
     await save_state(runtime, state)
     await _announce(runtime, state, "progressing")
     for batch in batches(state.pending, max_unavailable):
+        fence()
         results = await asyncio.gather(*(upgrade_node(runtime, node, version, rollout_id, node_timeout_s) for node in batch))
         failures = [(node, message) for node, (ok, message) in zip(batch, results, strict=True) if not ok]
         for node, (ok, _) in zip(batch, results, strict=True):
             if ok:
                 state = state.model_copy(update={"done": [*state.done, node]})
+                fence()
                 await save_state(runtime, state)
                 await _announce(runtime, state, "node-done", node)
         if failures:

@@ -1,0 +1,66 @@
+"""Two installers on a three-node cluster: one rollout at a time (the KV lease); the holder SIGKILLed
+mid-rollout, the other takes over and resumes from KV without redoing finished nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import pytest
+
+from kai_isolator.services.installer import rollout
+from kai_isolator.services.nodeagent import install
+from kai_isolator.services.nodeagent.layout import version_of
+from kai_isolator.shared import subjects
+from kai_isolator.shared.settings import BusSettings
+from nodeagent_harness import Libraries
+from support import RuntimeFactory
+
+NODES = [f"gpu-node-{i}" for i in range(1, 5)]
+
+
+def install_requests(agent) -> float:  # type: ignore[no-untyped-def]
+    value = agent.runtime.metrics.registry.get_sample_value(
+        "kai_isolator_bus_messages_total", {"handler": subjects.node_install(agent.node), "outcome": "ok"})
+    return value or 0.0
+
+
+@pytest.mark.timeout(240)
+async def test_second_installer_waits_then_resumes_the_killed_holders_rollout(
+        start_agent, start_runtime: RuntimeFactory, libraries: Libraries, bus_settings: BusSettings) -> None:  # type: ignore[no-untyped-def]
+    agents = {node: await start_agent(node) for node in NODES}
+    v2 = version_of(libraries.v2.read_bytes())
+    observer = await start_runtime("observer", kv_buckets=[rollout.ROLLOUT_BUCKET])
+    env = {**os.environ, "KAI_ISOLATOR_NATS_URL": bus_settings.nats_url or "", "KAI_ISOLATOR_NATS_REPLICAS": "3",
+           "KAI_ISOLATOR_NATS_PING_INTERVAL_S": "1", "KAI_ISOLATOR_LOG_LEVEL": "warning"}
+    command = [sys.executable, "-m", "kai_isolator.services.cli", "installer", "--version", v2, "--lease-ttl-s", "2", "--node-timeout-s", "30"]
+    first = await asyncio.create_subprocess_exec(*command, env=env, stdout=asyncio.subprocess.DEVNULL)
+    progress: list[str] = []
+
+    async def done_so_far() -> list[str]:
+        state = await rollout.load_state(observer, rollout.default_rollout_id(v2))
+        return state.done if state else []
+
+    async def poll() -> bool:
+        progress[:] = await done_so_far()
+        return len(progress) >= 1
+
+    for _ in range(600):
+        if await poll():
+            break
+        await asyncio.sleep(0.05)
+    second = await asyncio.create_subprocess_exec(*command, env=env, stdout=asyncio.subprocess.PIPE)
+    await asyncio.sleep(0.5)
+    assert second.returncode is None  # waiting on the lease, not driving a second rollout beside the first
+    first.kill()  # SIGKILL the holder mid-rollout
+    await first.wait()
+    done_by_first = list(await done_so_far())
+    assert 1 <= len(done_by_first) < len(NODES)
+
+    out, _ = await asyncio.wait_for(second.communicate(), 120)
+    assert second.returncode == 0, out
+    state = await rollout.load_state(observer, rollout.default_rollout_id(v2))
+    assert state is not None and state.phase == "completed" and sorted(state.done) == NODES
+    assert [install.active_version(agents[n].layout) for n in NODES] == [v2] * len(NODES)
+    assert all(install_requests(agents[n]) == 1 for n in done_by_first)  # finished nodes were not redone
