@@ -111,6 +111,9 @@ def test_with_the_webhook_down_failure_policy_fail_refuses_only_gpu_sharing_pods
     # matchConditions keep every other pod away from the webhook: it is not called, so its outage does not matter.
     plain = _create(control_plane, namespace, _pod("no-gpu", {"team": "a"}))
     assert not _injected(plain)
+    bare = yaml.safe_load(_pod("no-annotations", {}))
+    del bare["metadata"]["annotations"]  # the has() guard: without it the condition errors, and Fail refuses the pod
+    assert not _injected(_create(control_plane, namespace, yaml.safe_dump(bare)))
     # The namespaceSelector: an admin's `ignore` label, and kube-system, are never sent to it.
     ignored = make_namespace(control_plane, "ignored", labels={"kai-resource-isolator.io/webhook": "ignore"})
     assert not _injected(_create(control_plane, ignored, _pod("ignored", {"gpu-memory": "4096"})))
@@ -224,3 +227,11 @@ def test_reinvoked_after_kai_mutates_the_pod_it_injects_once(control_plane: Cont
     assert [v["name"] for v in pod["spec"]["volumes"]].count(LIBRARY_VOLUME) == 1
     env = [e["name"] for e in pod["spec"]["containers"][0]["env"]]
     assert "CUDA_DEVICE_MEMORY_LIMIT" in env and "POD_UID" in env and len(env) == len(set(env))
+
+
+def test_a_pod_that_shares_no_gpu_is_never_sent_to_the_webhook(control_plane: ControlPlane, webhook: RunningWebhook) -> None:
+    namespace = make_namespace(control_plane, "not-sent")
+    before = _decisions(webhook, control_plane)
+    _create(control_plane, namespace, _pod("web", {"team": "a"}))
+    _create(control_plane, namespace, _pod("gpu", {"gpu-fraction": "0.5"}))
+    assert _decisions(webhook, control_plane) - before == 1  # only the GPU-sharing pod was reviewed
