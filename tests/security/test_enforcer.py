@@ -348,3 +348,56 @@ async def test_the_verifier_sees_memory_held_without_the_library_as_missing(node
     assert judgement.verdict == "missing" and "process-without-library" in [r.code for r in judgement.reasons]
     # Without the driver's view the same container is only degraded (its cache shows nothing wrong).
     assert tenant.judge().verdict == "degraded"
+
+
+# Escapes the library only detects (tests/security/test_detection.py): the accounting file deleted,
+# replaced or moved aside under a process that holds memory, so a newcomer starts from an empty file;
+# and an empty /etc/ld.so.preload mounted from a user namespace, so the library is not loaded at all.
+DETECTED_ONLY = {
+    "accounting-file-deleted": "import os; os.unlink(P)",
+    "accounting-file-replaced": "import os, shutil; shutil.copyfile(P, P + '.new'); os.rename(P + '.new', P)",
+    "accounting-file-moved-aside": "import os; os.rename(P, P + '.old')",
+}
+
+
+@pytest.mark.parametrize("how", sorted(DETECTED_ONLY))
+async def test_a_tampered_accounting_file_is_held_to_the_grant_by_the_enforcer(node: SimNode, driver_view: Nvml, how: str) -> None:
+    tenant = await node.start(gpu_pod(f"tamper-{how}"), limit="1g")
+    first = await tenant.hold(768 * MIB)
+    tamper = await tenant.run(["python3", "-c", f"P = '/run/kai-isolator/usage.cache'; {DETECTED_ONLY[how]}"])
+    assert tamper.returncode == 0, tamper.stderr
+    second = await tenant.hold(768 * MIB)  # through the library: the new file shows nothing held
+    assert node.driver_used() == 1536 * MIB
+    reports = Reports()
+    enforcer = enforcer_for(node, driver_view, reports, tolerance_bytes=0)
+    await enforcer.poll()
+    await enforcer.poll()
+    [(_, breach)] = reports.seen
+    assert breach.action == "killed" and breach.measured_bytes == 1536 * MIB and breach.grant_bytes == GIB
+    killed = [program for program in (first, second) if await _ended(program)]
+    assert len(killed) == 1 and node.driver_used() == 768 * MIB  # one of the two, and the grant holds again
+    OUTCOMES.append((f"{how} [{node.driver.value}]", "killed by the enforcer (1536 MiB of 1024)", "breached: over-grant, killed"))
+
+
+async def test_an_empty_preload_from_a_user_namespace_is_killed_past_the_grant(node: SimNode, driver_view: Nvml, tmp_path: Path) -> None:
+    tenant = await node.start(gpu_pod("empty-preload"), limit="1g")
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    script = f'mount --bind {empty} /etc/ld.so.preload && exec "$@"'
+    bypass = await tenant.background(["unshare", "-Urm", "sh", "-c", script, "sh", str(CUPROBE), "init", "ctx", "0", "alloc", str(ATTACK), *HOLD])
+    assert " rc=0" in await bypass.wait_for("alloc ")  # no library in that process at all
+    await bypass.wait_for("holding")
+    reports = Reports()
+    enforcer = enforcer_for(node, driver_view, reports, tolerance_bytes=0)
+    await enforcer.poll()
+    await enforcer.poll()
+    assert await exited_by_sigkill(bypass) and node.driver_used() == 0
+    OUTCOMES.append((f"empty-preload [{node.driver.value}]", f"killed by the enforcer ({ATTACK >> 20} MiB of 1024)", "breached: over-grant, killed"))
+
+
+async def _ended(program: Background) -> bool:
+    try:
+        await asyncio.wait_for(program.process.wait(), 5)
+    except asyncio.TimeoutError:
+        return False
+    return True
