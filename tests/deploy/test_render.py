@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import kubernetes_validate
 import pytest
-from deploy_tools import CHART, HELM_OPTIONAL, HELM_VARIANTS, KUSTOMIZE_VARIANTS, Docs, ToolError, containers, pod_specs, set_flags
+import yaml
+from deploy_tools import CHART, HELM_OPTIONAL, HELM_VARIANTS, KUSTOMIZE_VARIANTS, REPO, Docs, ToolError, containers, pod_specs, set_flags
 
 KUBE_VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0"]
 VARIANTS = [*KUSTOMIZE_VARIANTS, *HELM_VARIANTS]
@@ -177,3 +179,22 @@ def test_readiness_gate_splits_the_namespaces_between_two_webhook_entries(render
     assert (plain["clientConfig"]["service"]["path"], gated["clientConfig"]["service"]["path"]) == ("/mutate", "/mutate-gated")
     for key in ("rules", "matchConditions", "failurePolicy", "reinvocationPolicy"):
         assert plain[key] == gated[key], key  # the same narrow match, only the namespaces differ
+
+
+def test_monitoring_renders_only_when_asked_and_matches_the_plain_files(render_helm: Callable[..., Docs]) -> None:
+    kinds = {"ServiceMonitor", "PrometheusRule"}
+    assert not [d for d in render_helm({}) if d["kind"] in kinds]  # off by default: no CRD needed
+    docs = render_helm({"monitoring.serviceMonitor.enabled": "true", "monitoring.prometheusRule.enabled": "true",
+                        "monitoring.dashboard.enabled": "true"})
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert sorted(d["metadata"]["name"].rsplit("-", 1)[-1] for d in monitors) == ["nodeagent", "verifier", "watcher", "webhook"]
+    for monitor in monitors:  # each selects a Service that really is rendered, on a port it has
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        port = monitor["spec"]["endpoints"][0]["port"]
+        services = [d for d in docs if d["kind"] == "Service" and selector.items() <= d["metadata"].get("labels", {}).items()]
+        assert services and all(port in [p.get("name") for p in s["spec"]["ports"]] for s in services), monitor["metadata"]["name"]
+    [rule] = [d for d in docs if d["kind"] == "PrometheusRule"]
+    plain = yaml.safe_load((REPO / "deploy" / "monitoring" / "prometheus-rules.yaml").read_text())
+    assert rule["spec"]["groups"] == plain["groups"]
+    [dashboard] = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
+    assert json.loads(next(iter(dashboard["data"].values()))) == json.loads((REPO / "deploy" / "monitoring" / "grafana-dashboard.json").read_text())
