@@ -29,7 +29,9 @@ def install_requests(agent) -> float:  # type: ignore[no-untyped-def]
 @pytest.mark.timeout(240)
 async def test_second_installer_waits_then_resumes_the_killed_holders_rollout(
         start_agent, start_runtime: RuntimeFactory, libraries: Libraries, bus_settings: BusSettings) -> None:  # type: ignore[no-untyped-def]
-    agents = {node: await start_agent(node) for node in NODES}
+    # The later nodes' self-checks take seconds, so the first installer is surely mid-rollout when killed.
+    slow = ["/bin/sh", "-c", "sleep 3"]
+    agents = {node: await start_agent(node, self_check_command=slow if node in NODES[2:] else None) for node in NODES}
     v2 = version_of(libraries.v2.read_bytes())
     observer = await start_runtime("observer", kv_buckets=[rollout.ROLLOUT_BUCKET])
     env = {**os.environ, "KAI_ISOLATOR_NATS_URL": bus_settings.nats_url or "", "KAI_ISOLATOR_NATS_REPLICAS": "3",
