@@ -1,7 +1,8 @@
 """The verifier's handlers: running pod -> ask its node agent -> verdict on the bus, in KV and on the pod.
 
-Pods to re-verify, the last observation per container and negative looks awaiting a second
-one live in a KV bucket, so a restart repeats no verdict and forgets no pod.
+Pods to re-verify, the last observation per container, negative looks awaiting a second one and
+the library version per node live in a KV bucket, so a restart repeats no verdict and forgets no
+pod, and replicas sharing the work see one state.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import nats.errors
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Histogram
-from pydantic import BaseModel
+from nats.js.errors import KeyWrongLastSequenceError
+from pydantic import BaseModel, Field
 
 from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import Runtime
@@ -61,6 +63,22 @@ class PendingRecord(BaseModel):
     since: float
 
 
+class NodeVersionRecord(BaseModel):
+    """The library version a node runs, as the report that changed it said (KV `nodeversion.<node>`).
+
+    Shared by every replica, because node-status reports are split between them: a replica that
+    kept versions in memory would miss a change whose previous report went to another one.
+    """
+
+    version: str | None
+    sequence: int = Field(description="the node agent's sequence of the report that set this version")
+    reverify: bool = Field(False, description="the node's pods are still to be re-verified for this change")
+
+
+# Compare-and-set attempts on a node's version record before the report is retried (nak) instead.
+NODE_VERSION_CAS_ATTEMPTS = 10
+
+
 class Verifier:
     """Bound to a started Runtime that provisioned `settings.health_bucket`."""
 
@@ -69,7 +87,6 @@ class Verifier:
         self.settings = settings
         self.notifier = notifier
         self.library_path = f"{settings.container_vgpu_mount.rstrip('/')}/libvgpu.so"
-        self._node_versions: dict[str, str | None] = {}
         # What operators read in the API (kubectl isolator): node views from the agents' reports.
         self.views = NodeViews(notifier, heartbeat_s=settings.node_view_heartbeat_s) if notifier and settings.node_views else None
         registry = runtime.metrics.registry
@@ -102,17 +119,63 @@ class Verifier:
             await self.verify(event)
 
     async def on_node_status(self, status: NodeStatus) -> None:
-        """A node whose library version changed gets all its running pods verified again."""
+        """A node whose library version changed gets all its running pods verified again, once across replicas."""
         if self.views is not None:
             self.views.on_status(status)
-        previous = self._node_versions.get(status.node_name, status.active_version)
-        self._node_versions[status.node_name] = status.active_version
-        if previous == status.active_version:
+        revision = await self._claim_version_change(status)
+        if revision is None:
             return
         log.info("library version changed; re-verifying the node's pods", extra={"node": status.node_name, "version": status.active_version})
         for pod in await self.tracked_pods():
             if pod.node_name == status.node_name:
                 await self._verify_logged(pod)
+        done = NodeVersionRecord(version=status.active_version, sequence=status.sequence)
+        # A newer change written meanwhile keeps its own flag: then this CAS fails, as it should.
+        with contextlib.suppress(KeyWrongLastSequenceError):
+            await self._kv.update(self._node_version_key(status.node_name), done.model_dump_json().encode(), last=revision)
+
+    @staticmethod
+    def _node_version_key(node: str) -> str:
+        return f"nodeversion.{node}"
+
+    async def _claim_version_change(self, status: NodeStatus) -> int | None:
+        """The KV revision under which this report owns a re-verification of its node's pods, or None.
+
+        One compare-and-set per version change: of two replicas handling reports of one change,
+        only the one whose write lands re-verifies. A report older than the recorded one (handled
+        late by another replica) changes nothing; the very report that recorded a change, seen
+        again (redelivered after its handler died mid-way), owns the re-verification still
+        flagged. The first report of a node is recorded without re-verifying (nothing to compare).
+        Reports repeating the recorded version write nothing, so heartbeats cost one read.
+        """
+        key = self._node_version_key(status.node_name)
+        for _ in range(NODE_VERSION_CAS_ATTEMPTS):
+            try:
+                entry = await self._kv.get(key)
+            except KeyNotFoundError:
+                entry = None
+            record = _node_version(entry.value if entry is not None else None)
+            if record is not None and entry is not None:
+                revision = entry.revision or 0
+                if status.sequence == record.sequence:
+                    return revision if record.reverify else None
+                if status.sequence < record.sequence or status.active_version == record.version:
+                    return None
+                changed = NodeVersionRecord(version=status.active_version, sequence=status.sequence, reverify=True)
+                try:
+                    return await self._kv.update(key, changed.model_dump_json().encode(), last=revision)
+                except KeyWrongLastSequenceError:
+                    continue  # another replica recorded a report first: judge against it
+            first = NodeVersionRecord(version=status.active_version, sequence=status.sequence)
+            try:
+                if entry is None:
+                    await self._kv.create(key, first.model_dump_json().encode())
+                else:  # unreadable or purged: start over from this report
+                    await self._kv.update(key, first.model_dump_json().encode(), last=entry.revision or 0)
+                return None
+            except KeyWrongLastSequenceError:
+                continue
+        raise IsolatorError(f"version record of node {status.node_name} keeps changing under us; retrying the report")
 
     async def on_health(self, verdict: HealthVerdict) -> None:
         """The node agent's `breached` verdicts reach the pod condition too (the verifier writes its own verdicts there)."""
@@ -314,3 +377,12 @@ class Verifier:
             await self.verify(pod)
         except BUS_FAILURES as error:
             log.warning("re-verification deferred", extra={"pod": f"{pod.pod.namespace}/{pod.pod.name}", "error": f"{type(error).__name__}: {error}"})
+
+
+def _node_version(value: bytes | None) -> NodeVersionRecord | None:
+    if not value:
+        return None
+    try:
+        return NodeVersionRecord.model_validate_json(value)
+    except ValueError:
+        return None

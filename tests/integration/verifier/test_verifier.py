@@ -285,3 +285,28 @@ async def test_listing_tracked_pods_leaves_no_consumer_behind(
         assert {p.pod.name for p in await verifier.tracked_pods()} == {"a", "b"}
     bucket = await verifier.runtime.jetstream.stream_info("KV_isolator-pod-health")
     assert bucket.state.consumer_count == 0
+
+
+async def test_node_versions_live_in_kv_so_late_and_repeated_reports_reverify_nothing(
+    agent: ScriptedAgent, bus_settings: BusSettings, start_runtime: RuntimeFactory, verifier: Verifier, verdicts: list[HealthVerdict]
+) -> None:
+    # As when reports are split between replicas: handled out of order, or by a verifier that never saw the last one.
+    agent.limits["p1"] = "4147m"
+    publisher = await start_runtime("watcher-stand-in")
+    await publisher.publish(pod_event("p1"))
+    await eventually(lambda: len(verdicts) == 1)
+    asked = len(agent.requests)
+    await verifier.on_node_status(NodeStatus(node_name="gpu-1", sequence=10, ready=True, active_version="v1"))  # first sight: recorded
+    assert len(agent.requests) == asked
+    await verifier.on_node_status(NodeStatus(node_name="gpu-1", sequence=12, ready=True, active_version="v2"))
+    assert len(agent.requests) == asked + 1
+    await verifier.on_node_status(NodeStatus(node_name="gpu-1", sequence=11, ready=True, active_version="v1"))  # older, handled late
+    await verifier.on_node_status(NodeStatus(node_name="gpu-1", sequence=12, ready=True, active_version="v2"))  # redelivered, done
+    await verifier.on_node_status(NodeStatus(node_name="gpu-1", sequence=13, ready=True, active_version="v2"))  # heartbeat
+    assert len(agent.requests) == asked + 1
+    settings = VerifierSettings(kubernetes_events=False, reverify_s=3600, pending_retry_s=3600, inspect_timeout_s=1)
+    async with running(settings, bus_settings, bus_settings.nats_url or "") as other:  # another replica, its memory empty
+        await other.on_node_status(NodeStatus(node_name="gpu-1", sequence=14, ready=True, active_version="v2"))
+        assert len(agent.requests) == asked + 1
+        await other.on_node_status(NodeStatus(node_name="gpu-1", sequence=15, ready=True, active_version="v3"))
+        assert len(agent.requests) == asked + 2
