@@ -95,6 +95,7 @@ KUSTOMIZE_VARIANTS = {
     "kustomize/base": KUSTOMIZE / "base",
     "kustomize/cert-manager": KUSTOMIZE / "overlays" / "cert-manager",
     "kustomize/dev": KUSTOMIZE / "overlays" / "dev",
+    "kustomize/nats-cluster": KUSTOMIZE / "overlays" / "nats-cluster",
 }
 # Every optional value at once, so each conditional template renders at least once.
 HELM_OPTIONAL = {
@@ -111,7 +112,10 @@ HELM_VARIANTS = {
     "helm/default": {},
     "helm/optional": HELM_OPTIONAL,
     "helm/minimal": {"webhook.replicaCount": "1", "watcher.enabled": "false", "verifier.enabled": "false", "rbac.create": "false"},
+    "helm/nats-cluster": {"nats.cluster.enabled": "true"},
 }
+# The variants that bring a three-node NATS cluster of their own.
+NATS_CLUSTER_VARIANTS = ["kustomize/nats-cluster", "helm/nats-cluster"]
 
 Docs = list[dict]
 

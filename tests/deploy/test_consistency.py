@@ -13,7 +13,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 import yaml
 from aiohttp import web
-from deploy_tools import REPO, Docs, containers, pod_specs
+from deploy_tools import NATS_CLUSTER_VARIANTS, REPO, Docs, containers, pod_specs
 from prometheus_client import CollectorRegistry
 from pydantic_settings import BaseSettings
 
@@ -29,7 +29,8 @@ from kai_isolator.shared.settings import BusSettings, ProbeSettings, load, split
 
 COMPOSE = REPO / "docker-compose.yml"
 NODEAGENT_DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile.nodeagent"
-ALL_VARIANTS = ["kustomize/base", "kustomize/cert-manager", "kustomize/dev", "helm/default", "helm/optional", "helm/minimal"]
+ALL_VARIANTS = ["kustomize/base", "kustomize/cert-manager", "kustomize/dev", "helm/default", "helm/optional", "helm/minimal",
+               "kustomize/nats-cluster", "helm/nats-cluster"]
 
 
 def settings_classes() -> list[type[BaseSettings]]:
@@ -139,7 +140,7 @@ def test_every_container_runs_a_real_subcommand_with_real_flags(rendered: dict[s
         parse(args)
         seen.add(args[0])
     expected = {"admission", "nodeagent"}
-    expected |= {"certs"} if variant in ("kustomize/base", "kustomize/dev", "helm/default", "helm/minimal") else set()
+    expected |= {"certs"} if variant in ("kustomize/base", "kustomize/dev", "helm/default", "helm/minimal", *NATS_CLUSTER_VARIANTS) else set()
     expected |= set() if variant == "helm/minimal" else {"watcher", "verifier"}
     assert expected <= seen, f"{variant} lacks {expected - seen}"
 
@@ -267,7 +268,7 @@ def test_certs_job_targets_the_webhook_secret_service_and_configuration(rendered
     assert cluster_role["rules"][0]["resourceNames"] == [certs.webhook_config]
 
 
-@pytest.mark.parametrize("variant", ["kustomize/base", "kustomize/dev", "helm/default", "helm/optional"])
+@pytest.mark.parametrize("variant", ["kustomize/base", "kustomize/dev", "helm/default", "helm/optional", *NATS_CLUSTER_VARIANTS])
 def test_nats_url_names_the_in_cluster_service(rendered: dict[str, Docs], variant: str) -> None:
     docs = rendered[variant]
     _, container = _container(docs, "Deployment", "-watcher")
@@ -278,7 +279,7 @@ def test_nats_url_names_the_in_cluster_service(rendered: dict[str, Docs], varian
     name, namespace, port = match.groups()
     assert namespace == _one(docs, "Service", "-webhook")["metadata"]["namespace"]
     nats = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == name]
-    if variant in ("kustomize/dev", "helm/optional"):  # the variants that bring their own NATS
+    if variant in ("kustomize/dev", "helm/optional", *NATS_CLUSTER_VARIANTS):  # the variants that bring their own NATS
         assert [p["port"] for p in nats[0]["spec"]["ports"] if p["name"] == "client"] == [int(port)]
     else:
         assert not nats and (name, port) == ("nats", "4222"), "production expects the official NATS chart as release `nats`"
@@ -325,3 +326,45 @@ def test_compose_runs_real_commands_with_real_env() -> None:
     assert kubeconfig["clusters"][0]["cluster"]["server"] == f"http://sandbox:{sandbox_port}"
     agent = effective(NodeAgentSettings, parse(services["nodeagent"]["command"]), {})
     assert agent.node_name in [n.partition(":")[0] for n in parse(services["sandbox"]["command"]).gpu_nodes]
+
+
+def _deployment_replicas(docs: Docs) -> dict[str, int]:
+    return {d["metadata"]["name"].rsplit("-", 1)[-1]: d["spec"]["replicas"] for d in docs
+            if d["kind"] == "Deployment" and d["metadata"]["name"].endswith(("-watcher", "-verifier"))}
+
+
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+def test_every_service_gets_the_stream_replicas_its_nats_can_hold(rendered: dict[str, Docs], variant: str) -> None:
+    docs = rendered[variant]
+    replicas = {doc["metadata"]["name"]: effective(BusSettings, parse(c["args"]), container_env(c, docs)).nats_replicas
+                for doc, _, c in our_containers(docs) if c["args"][0] != "certs"}  # the one that never talks to NATS
+    nats = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "nats"]
+    wanted = 3 if variant in NATS_CLUSTER_VARIANTS else 1
+    assert set(replicas.values()) == {wanted}, replicas  # every service alike: each converges the stream to its own count
+    if nats:
+        assert wanted <= nats[0]["spec"]["replicas"]
+    expected = {} if variant == "helm/minimal" else {"watcher": 2, "verifier": 2} if wanted > 1 else {"watcher": 1, "verifier": 1}
+    assert _deployment_replicas(docs) == expected  # a standby watcher and a second verifier where the bus is replicated
+
+
+@pytest.mark.parametrize(("values", "replicas", "deployments"), [
+    ({"bus.url": "nats://nats.shared.svc:4222", "bus.replicas": "3"}, 3, {"watcher": 2, "verifier": 2}),  # an existing cluster
+    ({"nats.cluster.enabled": "true", "watcher.replicaCount": "3", "verifier.replicaCount": "1"}, 3, {"watcher": 3, "verifier": 1}),
+    ({"nats.cluster.enabled": "true", "nats.cluster.replicas": "5", "bus.replicas": "5"}, 5, {"watcher": 2, "verifier": 2}),
+    ({"watcher.replicaCount": "2"}, 1, {"watcher": 2, "verifier": 1}),
+], ids=lambda v: str(v))
+def test_replica_values_reach_the_services(render_helm, values: dict[str, str], replicas: int, deployments: dict[str, int]) -> None:  # type: ignore[no-untyped-def]
+    docs = render_helm(values)
+    assert {effective(BusSettings, parse(c["args"]), container_env(c, docs)).nats_replicas
+            for _, _, c in our_containers(docs) if c["args"][0] != "certs"} == {replicas}
+    assert _deployment_replicas(docs) == deployments
+
+
+def test_lease_terms_reach_the_watcher_and_the_installer(render_helm) -> None:  # type: ignore[no-untyped-def]
+    from kai_isolator.services.watcher.settings import WatcherSettings
+
+    docs = render_helm({"watcher.leaseTtlSeconds": "4", "installer.rollout.version": "0123456789abcdef", "installer.rollout.leaseTtlSeconds": "20"})
+    _, watcher = _container(docs, "Deployment", "-watcher")
+    assert effective(WatcherSettings, parse(watcher["args"]), container_env(watcher, docs)).lease_ttl_s == 4
+    _, installer = _container(docs, "Job", "-rollout-0123456789abcdef")
+    assert parse(installer["args"]).lease_ttl_s == 20

@@ -7,7 +7,8 @@ import re
 import pytest
 from deploy_tools import REPO, Docs, component, containers, pod_specs
 
-ALL_VARIANTS = ["kustomize/base", "kustomize/cert-manager", "kustomize/dev", "helm/default", "helm/optional", "helm/minimal"]
+ALL_VARIANTS = ["kustomize/base", "kustomize/cert-manager", "kustomize/dev", "helm/default", "helm/optional", "helm/minimal",
+               "kustomize/nats-cluster", "helm/nats-cluster"]
 AGENT_CAPABILITIES = {"SYS_PTRACE", "DAC_READ_SEARCH", "KILL"}
 READ_VERBS = {"get", "list", "watch"}
 # Components that call no Kubernetes API must not even get a token.

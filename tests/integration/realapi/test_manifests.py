@@ -72,7 +72,7 @@ def test_the_server_compiles_the_match_conditions(control_plane: ControlPlane, d
     assert complaint in refused.value.status["message"], refused.value.status["message"]
 
 
-@pytest.mark.parametrize("variant", ["helm/default", "helm/minimal"])
+@pytest.mark.parametrize("variant", ["helm/default", "helm/minimal", "helm/nats-cluster"])
 def test_helm_template_output_is_accepted(control_plane: ControlPlane, deployed: list[dict[str, Any]], tmp_path: Path, variant: str) -> None:
     """`helm template | kubectl apply` as a user runs it, server-side dry run (a second live copy would
     register a second fail-closed webhook for every GPU pod in the cluster)."""
@@ -88,10 +88,11 @@ def test_helm_template_output_is_accepted(control_plane: ControlPlane, deployed:
     assert all("(server dry run)" in line for line in applied), applied
 
 
-def test_the_dev_overlay_applies_over_the_base(control_plane: ControlPlane, deployed: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("overlay", ["dev", "nats-cluster"])
+def test_an_overlay_applies_over_the_base(control_plane: ControlPlane, deployed: list[dict[str, Any]], overlay: str) -> None:
     """Server-side dry run over the applied base. The certs Job is checked under another name: its template is
     immutable, and here no TTL controller has removed the finished base Job (ttlSecondsAfterFinished), as a cluster's would."""
-    dev = REPO / "deploy" / "kustomize" / "overlays" / "dev"
+    dev = REPO / "deploy" / "kustomize" / "overlays" / overlay
     rendered = [d for d in yaml.safe_load_all(control_plane.kubectl("kustomize", str(dev)).stdout) if d]
     for doc in rendered:
         if doc["kind"] == "Job":

@@ -47,7 +47,7 @@ metadata:
   labels:
     {{- include "kri.componentLabels" $sel | nindent 4 }}
 spec:
-  replicas: 1
+  replicas: {{ include "kri.serviceReplicas" (dict "ctx" $ctx "values" .values) }}
   selector:
     matchLabels:
       {{- include "kri.selector" $sel | nindent 6 }}

@@ -177,3 +177,41 @@ minAvailable: {{ if hasSuffix "%" $min }}{{ $min | quote }}{{ else }}{{ $min | a
 minAvailable: 1
 {{- end -}}
 {{- end -}}
+
+{{/* Replicas of the stream and every KV bucket (KAI_ISOLATOR_NATS_REPLICAS): bus.replicas, else 3 on
+     the bundled NATS cluster, else 1 (one server cannot hold more). */}}
+{{- define "kri.natsReplicas" -}}
+{{- $members := int .Values.nats.cluster.replicas -}}
+{{- if and .Values.nats.cluster.enabled (or (lt $members 3) (eq (mod $members 2) 0)) -}}
+{{- fail (printf "nats.cluster.replicas must be odd and at least 3 (a JetStream quorum survives losing a minority), got %v" .Values.nats.cluster.replicas) -}}
+{{- end -}}
+{{- $replicas := 1 -}}
+{{- if not (kindIs "invalid" .Values.bus.replicas) -}}
+{{- $replicas = int .Values.bus.replicas -}}
+{{- else if .Values.nats.cluster.enabled -}}
+{{- $replicas = 3 -}}
+{{- end -}}
+{{- if or (lt $replicas 1) (gt $replicas 5) -}}
+{{- fail (printf "bus.replicas must be 1 to 5 (JetStream's limit), got %v" .Values.bus.replicas) -}}
+{{- end -}}
+{{- if and .Values.nats.cluster.enabled (gt $replicas (int .Values.nats.cluster.replicas)) -}}
+{{- fail (printf "bus.replicas %d exceeds the bundled cluster's %v servers (nats.cluster.replicas)" $replicas .Values.nats.cluster.replicas) -}}
+{{- end -}}
+{{- if and .Values.nats.enabled (not .Values.nats.cluster.enabled) (gt $replicas 1) -}}
+{{- fail (printf "bus.replicas %d needs a NATS cluster: the bundled single server holds one replica (set nats.cluster.enabled)" $replicas) -}}
+{{- end -}}
+{{- $replicas -}}
+{{- end -}}
+
+{{/* Replicas of a bus service Deployment: (dict "ctx" $ "values" .Values.watcher). Its replicaCount,
+     else 2 when the bus is replicated (a standby that takes over, a second verifier sharing the
+     work), else 1. */}}
+{{- define "kri.serviceReplicas" -}}
+{{- if not (kindIs "invalid" .values.replicaCount) -}}
+{{- int .values.replicaCount -}}
+{{- else if gt (int (include "kri.natsReplicas" .ctx)) 1 -}}
+2
+{{- else -}}
+1
+{{- end -}}
+{{- end -}}
