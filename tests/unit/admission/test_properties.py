@@ -1,6 +1,7 @@
 """Properties over generated pods: never a 5xx, every patch applies to its pod, the patched pod is a
 valid Kubernetes Pod (strict schema) whose target mounts its grant read-only, mutating it again changes
-nothing, and `enforce` never admits a target without a confining seccomp profile."""
+nothing, the readiness-gated path adds exactly its one gate, and `enforce` never admits a target without
+a confining seccomp profile."""
 
 from __future__ import annotations
 
@@ -134,9 +135,9 @@ def respond(webhook: Webhook, pod: dict[str, Any]) -> dict[str, Any]:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(pod=pods(), mode=st.sampled_from(["warn", "off", "enforce"]))
-def test_patches_apply_validate_and_are_idempotent(pod: dict[str, Any], mode: str) -> None:
-    webhook = Webhook(InjectionConfig(), mode)  # type: ignore[arg-type]
+@given(pod=pods(), mode=st.sampled_from(["warn", "off", "enforce"]), gated=st.booleans())
+def test_patches_apply_validate_and_are_idempotent(pod: dict[str, Any], mode: str, gated: bool) -> None:
+    webhook = Webhook(InjectionConfig(), mode, readiness_gate=gated)  # type: ignore[arg-type]
     kubernetes_validate.validate(pod, K8S_VERSION, strict=True)  # the generator makes valid pods only
     response = respond(webhook, pod)
     target = target_of(pod)
@@ -163,5 +164,7 @@ def test_patches_apply_validate_and_are_idempotent(pod: dict[str, Any], mode: st
         assert volume == {"name": GRANT_VOLUME, "hostPath": {"path": "/var/lib/kai-isolator/grants", "type": "DirectoryOrCreate"}}
     for other in (c for f in ("initContainers", "containers") for c in patched["spec"].get(f, []) if c is not patched_target):
         assert all(m.get("readOnly") is True for m in other.get("volumeMounts", []) if m["name"] == GRANT_VOLUME), "another container may write a grant"
+    gates = [g["conditionType"] for g in patched["spec"].get("readinessGates", [])]
+    assert gates == (["kai-resource-isolator.io/Isolated"] if gated else []), gates  # the generator sets no gates of its own
     again = respond(webhook, patched)
     assert "patch" not in again, orjson.loads(base64.b64decode(again["patch"]))
