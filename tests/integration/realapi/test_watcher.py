@@ -27,17 +27,17 @@ async def test_the_pod_story_through_a_real_watch(control_plane: ControlPlane, g
     cluster.create(gpu_pod("train"))
     cluster.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "plain"}, "spec": {"containers": [{"name": "c", "image": "busybox"}]}})
     cluster.create(gpu_pod("bare", injected=False))
-    await eventually(lambda: pod_events.states(ns, "train") == ["admitted"])
+    await eventually(lambda: pod_events.states("train", ns) == ["admitted"])
     cluster.start("train")
-    await eventually(lambda: "running" in pod_events.states(ns, "train"))
+    await eventually(lambda: "running" in pod_events.states("train", ns))
     gpu_node.finish(cluster.get("train"))
-    await eventually(lambda: "finished" in pod_events.states(ns, "train"))
+    await eventually(lambda: "finished" in pod_events.states("train", ns))
     cluster.delete("train")
-    await eventually(lambda: "deleted" in pod_events.states(ns, "train"))
+    await eventually(lambda: "deleted" in pod_events.states("train", ns))
 
-    assert pod_events.states(ns, "train") == [*STORY, "finished", "deleted"]
-    assert pod_events.states(ns, "plain") == []
-    assert pod_events.states(ns, "bare") == ["admitted", "isolation-missing"]
+    assert pod_events.states("train", ns) == [*STORY, "finished", "deleted"]
+    assert pod_events.states("plain", ns) == []
+    assert pod_events.states("bare", ns) == ["admitted", "isolation-missing"]
     running = next(e for e in pod_events.received if e.state == "running" and e.pod.namespace == ns)
     assert running.expected_limit == "4147m"  # from the ConfigMap the binder wrote: 4096 MiB on a 15360 MiB T4
     assert running.injected and running.container == "main" and running.node_name == gpu_node.name
@@ -50,13 +50,13 @@ async def test_the_watch_survives_an_api_server_restart(control_plane: ControlPl
     await start_watcher()
     cluster.create(gpu_pod("before"))
     cluster.start("before")
-    await eventually(lambda: pod_events.states(ns, "before") == STORY)
+    await eventually(lambda: pod_events.states("before", ns) == STORY)
     await asyncio.to_thread(control_plane.restart_apiserver)
     cluster.create(gpu_pod("after"))
     cluster.start("after")
     cluster.delete("before")
-    await eventually(lambda: pod_events.states(ns, "after") == STORY and "deleted" in pod_events.states(ns, "before"), timeout_s=30)
-    assert pod_events.states(ns, "before") == [*STORY, "deleted"]
+    await eventually(lambda: pod_events.states("after", ns) == STORY and "deleted" in pod_events.states("before", ns), timeout_s=30)
+    assert pod_events.states("before", ns) == [*STORY, "deleted"]
     _exactly_once(pod_events)
 
 
@@ -68,7 +68,7 @@ async def test_a_real_compaction_gives_410_and_the_relist_loses_no_deletion(cont
     for name in ("keep", "doomed", "finishing"):
         cluster.create(gpu_pod(name))
         cluster.start(name)
-    await eventually(lambda: all(pod_events.states(ns, n) == STORY for n in ("keep", "doomed", "finishing")))
+    await eventually(lambda: all(pod_events.states(n, ns) == STORY for n in ("keep", "doomed", "finishing")))
     await stack.aclose()  # graceful: the resume version is saved in KV
 
     cluster.delete("doomed")
@@ -79,11 +79,11 @@ async def test_a_real_compaction_gives_410_and_the_relist_loses_no_deletion(cont
     await asyncio.to_thread(control_plane.restart_apiserver)
 
     watcher, _ = await start_watcher()
-    await eventually(lambda: "deleted" in pod_events.states(ns, "doomed") and "finished" in pod_events.states(ns, "finishing")
-                     and pod_events.states(ns, "newcomer") == ["admitted", "isolation-missing"], timeout_s=30)
+    await eventually(lambda: "deleted" in pod_events.states("doomed", ns) and "finished" in pod_events.states("finishing", ns)
+                     and pod_events.states("newcomer", ns) == ["admitted", "isolation-missing"], timeout_s=30)
     assert compacted > 0
     assert watcher.metrics.relists._value.get() == 1  # it resumed, met 410 Gone, relisted once
-    assert pod_events.states(ns, "doomed") == [*STORY, "deleted"]
-    assert pod_events.states(ns, "finishing") == [*STORY, "finished"]
-    assert pod_events.states(ns, "keep") == STORY
+    assert pod_events.states("doomed", ns) == [*STORY, "deleted"]
+    assert pod_events.states("finishing", ns) == [*STORY, "finished"]
+    assert pod_events.states("keep", ns) == STORY
     _exactly_once(pod_events)
