@@ -1,0 +1,237 @@
+"""A three-node R3 JetStream cluster against one server, in the same run: publish latency, events/s, pod change -> event, and the stall each fault causes.
+
+Steady state (interleaved rounds, medians): the runtime's publish awaited one at a time (p50/p99 of
+the wait for the cluster's ack), the same with a consumer (publish -> typed handler, p50/p99), and
+events/s with 256 publishes in flight; each figure for one server (R1) and the cluster (R3) and the
+ratio. Faults, on the cluster under sequential publishing: the stream leader SIGKILLed, a follower
+SIGKILLed, the leader SIGSTOPped (a partition, as the others see it), each with the client connected
+to the victim and to the others. For each: the longest single publish wait, and how many events were
+stored and duplicated (none should be missing or twice). The client uses the services' defaults
+(ping interval, publish retry) unless told otherwise.
+Run: .venv/bin/python bench/cluster.py [--events N] [--rounds R] [--fault-s S] [--ping-interval-s P] [--jetstream-timeout-s T]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+import nats.errors
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from kai_isolator.shared import subjects
+from kai_isolator.shared.bus import Runtime
+from kai_isolator.shared.embedded_nats import ClusterMember, EmbeddedCluster, EmbeddedNats
+from kai_isolator.shared.events import PodIsolation, PodRef
+from kai_isolator.shared.settings import BusSettings
+
+IN_FLIGHT = 256
+_ids = itertools.count()  # one sequence for the whole run: the duplicate window must swallow no publish
+
+
+def event() -> PodIsolation:
+    i = next(_ids)
+    return PodIsolation(
+        pod=PodRef(namespace="bench", name=f"pod-{i}", uid=f"uid-{i}"), resource_version=str(i), state="running",
+        node_name="gpu-node-1", container="main", injected=True, gpu_memory="4096", expected_limit="4147m",
+    )
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+@dataclass
+class Steady:
+    publish_ms: list[float] = field(default_factory=list)
+    delivery_ms: list[float] = field(default_factory=list)
+    rate: list[float] = field(default_factory=list)
+
+
+async def sequential_publish(url: str, settings: BusSettings, count: int, consumer_name: str) -> tuple[list[float], list[float]]:
+    """(publish waits, publish -> handler latencies) in ms, one publish at a time, a consumer running beside it."""
+    sent_at: dict[str, float] = {}
+    delivered: list[float] = []
+    done = asyncio.Event()
+
+    async def handler(pod: PodIsolation) -> None:
+        started = sent_at.get(pod.resource_version)
+        if started is not None:
+            delivered.append((time.perf_counter() - started) * 1000)
+        if len(delivered) == count:
+            done.set()
+
+    consumer = Runtime(consumer_name, settings)
+    consumer.on_event("latency", subjects.ALL_PODS, handler, new_only=True)
+    await consumer.start(url)
+    publisher = Runtime("bench-publisher", settings)
+    await publisher.start(url)
+    waits = []
+    for _ in range(count):
+        pod = event()
+        started = sent_at[pod.resource_version] = time.perf_counter()
+        await publisher.publish(pod)
+        waits.append((time.perf_counter() - started) * 1000)
+    await asyncio.wait_for(done.wait(), 60)
+    await publisher.stop()
+    await consumer.stop()
+    return waits, delivered
+
+
+async def windowed_publish(url: str, settings: BusSettings, count: int) -> float:
+    publisher = Runtime("bench-publisher", settings)
+    await publisher.start(url)
+    events = [event() for _ in range(count)]
+    started = time.perf_counter()
+    for start in range(0, count, IN_FLIGHT):
+        await asyncio.gather(*(publisher.publish(e) for e in events[start:start + IN_FLIGHT]))
+    rate = count / (time.perf_counter() - started)
+    await publisher.stop()
+    return rate
+
+
+async def steady_round(url: str, settings: BusSettings, count: int, into: Steady, tag: str) -> None:
+    waits, delivered = await sequential_publish(url, settings, count, f"bench-{tag}")
+    into.publish_ms += waits
+    into.delivery_ms += delivered
+    into.rate.append(await windowed_publish(url, settings, count * 4))
+
+
+async def stream_leader(cluster: EmbeddedCluster) -> ClusterMember:
+    live = [m.url for m in cluster.members if m.pid is not None and not m.paused]
+    nc = await nats.connect(live, connect_timeout=2)
+    try:
+        js = nc.jetstream(timeout=3)
+        while True:
+            info = await js.stream_info(subjects.STREAM_NAME)
+            if info.cluster is not None and info.cluster.leader:
+                return cluster.member(info.cluster.leader)
+            await asyncio.sleep(0.1)
+    finally:
+        await nc.close()
+
+
+async def stored_ids(url: str) -> list[str]:
+    """resource_versions of every pod event in the stream (an ephemeral consumer, read to the end)."""
+    from kai_isolator.shared.events import decode
+
+    nc = await nats.connect(url.split(","))
+    try:
+        psub = await nc.jetstream(timeout=5).pull_subscribe(subjects.ALL_PODS, stream=subjects.STREAM_NAME,
+                                                            config=ConsumerConfig(ack_policy=AckPolicy.ALL))
+        found: list[str] = []
+        while True:
+            try:
+                batch = await psub.fetch(1000, timeout=2)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                return found
+            found += [decode(m.data)[1].resource_version for m in batch]  # type: ignore[attr-defined]
+            await batch[-1].ack()
+    finally:
+        await nc.close()
+
+
+async def fault(cluster: EmbeddedCluster, settings: BusSettings, name: str, client_on_victim: bool, fault_s: float) -> dict[str, object]:
+    """Publish one at a time through fault `name`; the worst wait and what reached the stream.
+
+    The client is connected to the victim or to the others (it learns the rest of the cluster from
+    the server either way): a fault costs a reconnect in the first case, only an election in the second.
+    """
+    leader = await stream_leader(cluster)
+    victim = leader if name != "follower SIGKILL" else next(m for m in cluster.members if m is not leader)
+    url = victim.url if client_on_victim else ",".join(m.url for m in cluster.members if m is not victim)
+    publisher = Runtime("bench-fault", settings)
+    await publisher.start(url)
+    sent: list[str] = []
+    worst = 0.0
+
+    async def publish_for(seconds: float) -> None:
+        nonlocal worst
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            pod = event()
+            started = time.perf_counter()
+            await publisher.publish(pod)
+            worst = max(worst, time.perf_counter() - started)
+            sent.append(pod.resource_version)
+
+    await publish_for(0.5)
+    before, worst = worst, 0.0
+    if name == "leader SIGSTOP":
+        victim.pause()
+    else:
+        victim.kill()
+    await publish_for(fault_s)
+    if name == "leader SIGSTOP":
+        victim.resume()
+    else:
+        await asyncio.to_thread(victim.start)
+    await publish_for(1.0)
+    await publisher.stop()
+    await asyncio.to_thread(victim.wait_until_current, 30)
+    ours = set(sent)
+    stored = [i for i in await stored_ids(cluster.url) if i in ours]
+    return {"fault": name, "on_victim": client_on_victim, "worst_wait_s": worst, "steady_worst_s": before, "sent": len(sent),
+            "stored": len(set(stored)), "twice": len(stored) - len(set(stored))}
+
+
+async def main(count: int, rounds: int, fault_s: float, ping_interval_s: float | None, jetstream_timeout_s: float | None) -> None:
+    with tempfile.TemporaryDirectory(prefix="kai-bench-cluster-") as store:
+        single = EmbeddedNats(Path(store) / "single")
+        cluster = EmbeddedCluster(Path(store) / "cluster")
+        single.start()
+        cluster.start()
+        try:
+            extra: dict[str, float] = {}
+            if ping_interval_s:
+                extra["nats_ping_interval_s"] = ping_interval_s
+            if jetstream_timeout_s:
+                extra["jetstream_timeout_s"] = jetstream_timeout_s
+            one = BusSettings(nats_url=single.url, nats_replicas=1, **extra)
+            three = BusSettings(nats_url=cluster.url, nats_replicas=3, **extra)
+            results = {"one server (R1)": Steady(), "3-node cluster (R3)": Steady()}
+            for r in range(rounds):  # interleaved, so drift in machine load hits both alike
+                await steady_round(single.url, one, count, results["one server (R1)"], f"one-{r}")
+                await steady_round(cluster.url, three, count, results["3-node cluster (R3)"], f"three-{r}")
+            faults = [await fault(cluster, three, name, on_victim, fault_s)
+                      for name in ("leader SIGKILL", "follower SIGKILL", "leader SIGSTOP") for on_victim in (False, True)]
+        finally:
+            single.stop()
+            cluster.stop()
+
+    print(f"steady state: {rounds} interleaved rounds; {count} sequential publishes (one in flight, a consumer beside) "
+          f"and {count * 4} with {IN_FLIGHT} in flight per round and setup")
+    print(f"{'':<22}{'publish p50':>12}{'publish p99':>12}{'event p50':>11}{'event p99':>11}{'events/s':>11}")
+    figures = {}
+    for label, steady in results.items():
+        f = figures[label] = (percentile(steady.publish_ms, 50), percentile(steady.publish_ms, 99),
+                              percentile(steady.delivery_ms, 50), percentile(steady.delivery_ms, 99), statistics.median(steady.rate))
+        print(f"{label:<22}{f[0]:>10.2f}ms{f[1]:>10.2f}ms{f[2]:>9.2f}ms{f[3]:>9.2f}ms{f[4]:>11,.0f}")
+    a, b = figures["3-node cluster (R3)"], figures["one server (R1)"]
+    print(f"{'ratio R3/R1':<22}{a[0] / b[0]:>12.2f}{a[1] / b[1]:>12.2f}{a[2] / b[2]:>11.2f}{a[3] / b[3]:>11.2f}{a[4] / b[4]:>11.2f}")
+    print(f"\nfaults on the cluster, {fault_s:g}s each, publishing one at a time (ping interval {three.nats_ping_interval_s:g}s, "
+          f"JetStream timeout {three.jetstream_timeout_s:g}s, publish retry {three.publish_retry_s:g}s):")
+    print(f"{'fault':<18}{'client on':<12}{'worst wait':>11}{'steady worst':>14}{'sent':>7}{'stored':>8}{'twice':>7}")
+    for f in faults:
+        where = "the victim" if f["on_victim"] else "the others"
+        print(f"{f['fault']:<18}{where:<12}{f['worst_wait_s']:>10.2f}s{f['steady_worst_s']:>13.3f}s{f['sent']:>7}{f['stored']:>8}{f['twice']:>7}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--events", type=int, default=1000, help="sequential publishes per round and kind (x4 for events/s)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--fault-s", type=float, default=20.0, help="how long each fault lasts before the server is back")
+    parser.add_argument("--ping-interval-s", type=float, default=None, help="client ping interval (default: the services' default)")
+    parser.add_argument("--jetstream-timeout-s", type=float, default=None,
+                        help="how long one publish waits for its ack before retrying (default: the services' default)")
+    options = parser.parse_args()
+    asyncio.run(main(options.events, options.rounds, options.fault_s, options.ping_interval_s, options.jetstream_timeout_s))
