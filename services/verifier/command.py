@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 from kai_isolator.shared.bus import Runtime, wait_for_signal
 from kai_isolator.shared.embedded_nats import bus_url
+from kai_isolator.shared.lease import LEASE_BUCKET, Lease, holder_name
 from kai_isolator.shared.settings import BusSettings, ProbeSettings, load, parse_duration
 
 from .kube import PodNotifier
@@ -38,11 +39,12 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 async def running(settings: VerifierSettings, bus: BusSettings, url: str, probe_listen: str | None = None) -> AsyncIterator[Verifier]:
     """A started runtime + verifier for the block; stopped gracefully on exit."""
     notifier = await PodNotifier.connect(settings.kubeconfig) if settings.kubernetes_events else None
-    runtime = Runtime(SERVICE, bus, kv_buckets=(settings.health_bucket,), probe_listen=probe_listen)
+    runtime = Runtime(SERVICE, bus, kv_buckets=(settings.health_bucket, LEASE_BUCKET), probe_listen=probe_listen)
     verifier = Verifier(runtime, settings, notifier)
     verifier.bind()
     await runtime.start(url)
-    loops = [asyncio.create_task(verifier.reverify_forever())]
+    lease = verifier.pass_lease = Lease(runtime.kv(LEASE_BUCKET), "verifier.passes", holder_name(SERVICE), settings.reverify_lease_ttl_s)
+    loops = [asyncio.create_task(verifier.lead_passes_forever()), asyncio.create_task(verifier.reverify_forever())]
     if verifier.views is not None:
         loops.append(asyncio.create_task(verifier.views.flush_forever(settings.node_view_interval_s)))
     try:
@@ -52,6 +54,7 @@ async def running(settings: VerifierSettings, bus: BusSettings, url: str, probe_
             loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loop
+        await lease.release()  # another replica runs the passes at once, not after the ttl
         await runtime.stop()
         if notifier:
             await notifier.close()

@@ -23,6 +23,7 @@ from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.errors import IsolatorError
 from kai_isolator.shared.events import HealthVerdict, InspectReply, InspectRequest, NodeStatus, PodIsolation, UsageReport
+from kai_isolator.shared.lease import Lease
 
 from .judge import Judgement, judge, judge_unobservable, judge_without_inspection
 from .kube import PodNotifier
@@ -82,17 +83,21 @@ NODE_VERSION_CAS_ATTEMPTS = 10
 class Verifier:
     """Bound to a started Runtime that provisioned `settings.health_bucket`."""
 
-    def __init__(self, runtime: Runtime, settings: VerifierSettings, notifier: PodNotifier | None) -> None:
+    def __init__(self, runtime: Runtime, settings: VerifierSettings, notifier: PodNotifier | None, pass_lease: Lease | None = None) -> None:
         self.runtime = runtime
         self.settings = settings
         self.notifier = notifier
+        # Events are shared between replicas by the consumer; the periodic passes go over every pod,
+        # so only the replica holding this lease runs them (None: no replicas to share with).
+        self.pass_lease = pass_lease
         self.library_path = f"{settings.container_vgpu_mount.rstrip('/')}/libvgpu.so"
         # What operators read in the API (kubectl isolator): node views from the agents' reports.
         self.views = NodeViews(notifier, heartbeat_s=settings.node_view_heartbeat_s) if notifier and settings.node_views else None
         registry = runtime.metrics.registry
         self.verdicts = Counter("kai_isolator_verdicts", "Verdicts emitted, by verdict and reason", ["verdict", "reason"], registry=registry)
         self.latency = Histogram("kai_isolator_verification_seconds", "From inspection request to verdict", registry=registry)
-        self.passes = Counter("kai_isolator_reverify_passes", "Periodic re-verification passes, by outcome (ok, failed)", ["outcome"], registry=registry)
+        self.passes = Counter("kai_isolator_reverify_passes", "Periodic re-verification passes, by outcome (ok, failed, standby: "
+                              "another replica runs them)", ["outcome"], registry=registry)
         self.deferred = Counter("kai_isolator_verdicts_deferred", "Negative observations held for a second look before any verdict", registry=registry)
 
     def bind(self) -> None:
@@ -353,6 +358,9 @@ class Verifier:
             await asyncio.sleep(tick)
             since_full += tick
             full = since_full >= self.settings.reverify_s
+            if self.pass_lease is not None and not self.pass_lease.held():
+                self.passes.labels("standby").inc()
+                continue
             try:
                 await self._reverify_pass(full)
             except BUS_FAILURES as error:
@@ -366,6 +374,14 @@ class Verifier:
             self.passes.labels("ok").inc()
             if full:
                 since_full = 0.0  # only a completed full pass resets the clock: a failed one is redone next tick
+
+    async def lead_passes_forever(self) -> None:
+        """Hold the pass lease whenever no other replica does: stand by, lead until lost, repeat."""
+        if self.pass_lease is None:
+            return
+        while True:
+            await self.pass_lease.acquire()
+            await self.pass_lease.keep()
 
     async def _reverify_pass(self, full: bool) -> None:
         for pod in await self.tracked_pods():

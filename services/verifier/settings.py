@@ -32,3 +32,5 @@ class VerifierSettings(BaseSettings):
     node_view_interval_s: float = Field(10.0, gt=0, description="write changed node views this often")
     node_view_heartbeat_s: float = Field(60.0, gt=0, description="rewrite an unchanged node view this often (its last-seen time)")
     health_bucket: str = Field("isolator-pod-health", pattern=r"^[A-Za-z0-9_-]+$")
+    reverify_lease_ttl_s: float = Field(15.0, ge=0.5, le=300, description="replicas: one runs the periodic passes (a KV lease); "
+                                        "another takes them over after this long without renewal")

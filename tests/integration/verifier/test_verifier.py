@@ -310,3 +310,36 @@ async def test_node_versions_live_in_kv_so_late_and_repeated_reports_reverify_no
         assert len(agent.requests) == asked + 1
         await other.on_node_status(NodeStatus(node_name="gpu-1", sequence=15, ready=True, active_version="v3"))
         assert len(agent.requests) == asked + 2
+
+
+async def test_one_replica_runs_the_periodic_passes_and_another_takes_them_over(
+    agent: ScriptedAgent, bus_settings: BusSettings, start_runtime: RuntimeFactory, verdicts: list[HealthVerdict]
+) -> None:
+    # Events are split between replicas by the consumer, but a pass goes over every pod: two replicas
+    # both passing would inspect each pod twice as often and race each other to every new verdict.
+    settings = VerifierSettings(kubernetes_events=False, reverify_s=0.2, pending_retry_s=0.2, inspect_timeout_s=1, reverify_lease_ttl_s=20)
+    agent.limits["p1"] = "4147m"
+    first_running = running(settings, bus_settings, bus_settings.nats_url or "")
+    first = await first_running.__aenter__()
+    stopped = False
+    try:
+        await eventually(lambda: first.pass_lease is not None and first.pass_lease.held())
+        async with running(settings, bus_settings, bus_settings.nats_url or "") as second:
+            standby = second.passes.labels("standby")._value.get
+            await eventually(lambda: standby() >= 3)
+            assert second.passes.labels("ok")._value.get() == 0 and first.passes.labels("ok")._value.get() > 0
+            assert second.pass_lease is not None and not second.pass_lease.held()
+            publisher = await start_runtime("watcher-stand-in")
+            await publisher.publish(pod_event("p1"))
+            await eventually(lambda: len(verdicts) == 1)
+            # A graceful stop releases the lease: the other replica takes the passes over at once, not
+            # after the 20 s term (which would time this wait out; a standby polls every quarter term).
+            await first_running.__aexit__(None, None, None)
+            stopped = True
+            await eventually(lambda: second.pass_lease is not None and second.pass_lease.held())
+            asked = len(agent.requests)
+            await eventually(lambda: len(agent.requests) > asked)  # the second now re-verifies p1 on its passes
+            assert second.passes.labels("ok")._value.get() > 0 and len(verdicts) == 1
+    finally:
+        if not stopped:
+            await first_running.__aexit__(None, None, None)
