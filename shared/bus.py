@@ -112,6 +112,7 @@ class Runtime:
         self._probe = ProbeServer(probe_listen, self.metrics.registry, self.not_ready) if probe_listen else None
         self._events: list[EventBinding] = []
         self._requests: list[RequestBinding] = []
+        self._broadcasts: list[RequestBinding] = []
         self._nc: NatsClient | None = None
         self._js: JetStreamContext | None = None
         self._kv: dict[str, KeyValue] = {}
@@ -127,6 +128,14 @@ class Runtime:
         """Bind `handler` to a durable consumer `<service>-<name>` of the event stream."""
         policy = DeliverPolicy.NEW if new_only else DeliverPolicy.ALL
         self._events.append(EventBinding(f"{self.service}-{name}", filter_subject, handler, accepted_types(handler), policy))
+
+    def on_broadcast(self, subject: str, handler: EventHandler) -> None:
+        """Every event on `subject` to this instance too, by a plain subscription (no consumer, no queue group).
+
+        For state each replica must keep whole while durable consumers split the events between
+        replicas: at most once and only while connected, so for views the next report repairs.
+        """
+        self._broadcasts.append(RequestBinding(subject, handler, accepted_types(handler)))
 
     def on_request(self, subject: str, handler: RequestHandler) -> None:
         """Answer requests on `subject` (one responder per service instance group)."""
@@ -144,6 +153,7 @@ class Runtime:
             missing.append("bus not connected")
         missing += [f"consumer {b.durable} not bound" for b in self._events if not b.bound]
         missing += [f"responder {b.subject} not bound" for b in self._requests if not b.bound]
+        missing += [f"subscription {b.subject} not bound" for b in self._broadcasts if not b.bound]
         missing += [problem for check in self._readiness_checks if (problem := check())]
         return missing
 
@@ -164,6 +174,9 @@ class Runtime:
         for request in self._requests:
             await self._nc.subscribe(request.subject, queue=self.service, cb=self._responder(request))
             request.bound = True
+        for broadcast in self._broadcasts:
+            await self._nc.subscribe(broadcast.subject, cb=self._broadcast_receiver(broadcast))
+            broadcast.bound = True
         log.info("service bound to the bus", extra={"service": self.service, "consumers": len(self._events), "responders": len(self._requests)})
 
     async def stop(self) -> None:
@@ -313,6 +326,26 @@ class Runtime:
             task.add_done_callback(self._in_flight.discard)
 
         return on_message
+
+    def _broadcast_receiver(self, binding: RequestBinding) -> Callable[[Msg], Awaitable[None]]:
+        async def on_message(msg: Msg) -> None:
+            task = asyncio.create_task(self._receive(binding, msg))
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
+
+        return on_message
+
+    async def _receive(self, binding: RequestBinding, msg: Msg) -> None:
+        try:
+            _, payload = decode(msg.data)
+            if isinstance(payload, binding.accepts):
+                await binding.handler(payload)
+                self.metrics.handled.labels(binding.subject, "ok").inc()
+        except DecodeError:
+            self.metrics.handled.labels(binding.subject, "skipped").inc()  # the stream's consumers dead-letter it
+        except Exception:  # noqa: BLE001 - a failing view update must not end the subscription
+            log.exception("broadcast handler failed", extra={"subject": binding.subject})
+            self.metrics.handled.labels(binding.subject, "error").inc()
 
     async def _answer(self, binding: RequestBinding, msg: Msg) -> None:
         started = time.perf_counter()

@@ -46,7 +46,7 @@ async def running(settings: VerifierSettings, bus: BusSettings, url: str, probe_
     lease = verifier.pass_lease = Lease(runtime.kv(LEASE_BUCKET), "verifier.passes", holder_name(SERVICE), settings.reverify_lease_ttl_s)
     loops = [asyncio.create_task(verifier.lead_passes_forever()), asyncio.create_task(verifier.reverify_forever())]
     if verifier.views is not None:
-        loops.append(asyncio.create_task(verifier.views.flush_forever(settings.node_view_interval_s)))
+        loops.append(asyncio.create_task(verifier.views.flush_forever(settings.node_view_interval_s, verifier.views_leading)))
     try:
         yield verifier
     finally:

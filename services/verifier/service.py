@@ -106,7 +106,11 @@ class Verifier:
         if self.notifier is not None:
             self.runtime.on_event("breaches", subjects.ALL_HEALTH, self.on_health, new_only=True)
         if self.views is not None:
-            self.runtime.on_event("usage", subjects.ALL_USAGE, self.on_usage, new_only=True)
+            # Views need every report, not the share the consumers give this replica; the replica that
+            # holds the pass lease writes them (`views_leading`).
+            self.runtime.on_broadcast(subjects.ALL_NODE_STATUS, self.on_status_view)
+            self.runtime.on_broadcast(subjects.ALL_USAGE, self.on_usage)
+            self.runtime.on_broadcast(subjects.ALL_PODS, self.on_pod_view)
 
     @property
     def _kv(self) -> KeyValue:
@@ -117,16 +121,12 @@ class Verifier:
     async def on_pod(self, event: PodIsolation) -> None:
         if event.state in ("finished", "deleted"):
             await self._forget(event)
-            if self.views is not None:
-                self.views.forget_pod(event.pod.uid)
         elif event.state == "running" and not await self._is_gone(event):
             await self._remember(event)
             await self.verify(event)
 
     async def on_node_status(self, status: NodeStatus) -> None:
         """A node whose library version changed gets all its running pods verified again, once across replicas."""
-        if self.views is not None:
-            self.views.on_status(status)
         revision = await self._claim_version_change(status)
         if revision is None:
             return
@@ -190,6 +190,18 @@ class Verifier:
     async def on_usage(self, report: UsageReport) -> None:
         if self.views is not None:
             self.views.on_usage(report)
+
+    async def on_status_view(self, status: NodeStatus) -> None:
+        if self.views is not None:
+            self.views.on_status(status)
+
+    async def on_pod_view(self, event: PodIsolation) -> None:
+        if self.views is not None and event.state in ("finished", "deleted"):
+            self.views.forget_pod(event.pod.uid)
+
+    def views_leading(self) -> bool:
+        """Whether this replica writes the node views: the one holding the pass lease (or the only one)."""
+        return self.pass_lease is None or self.pass_lease.held()
 
     # --- verification ---------------------------------------------------------------------
 

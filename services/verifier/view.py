@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
 from kai_isolator.shared.events import NodeStatus, UsageReport
@@ -73,9 +74,13 @@ class NodeViews:
                 written += 1
         return written
 
-    async def flush_forever(self, interval_s: float) -> None:
+    async def flush_forever(self, interval_s: float, leading: Callable[[], bool] = lambda: True) -> None:
+        """Flush every `interval_s` while `leading()`: of several replicas, one writes the Nodes."""
         while True:
             await asyncio.sleep(interval_s)
+            if not leading():
+                self._written.clear()  # when leading again, write every view once: another replica wrote meanwhile
+                continue
             try:
                 await self.flush()
             except Exception:  # noqa: BLE001 - one failed round must not end the node views for good
