@@ -5,7 +5,6 @@ view (the enforcer), and reports status and per-container usage."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Iterable
@@ -22,6 +21,7 @@ from kai_isolator.shared.events import (
     UsageReport,
 )
 from kai_isolator.shared.settings import BusSettings
+from kai_isolator.shared.tasks import cancel_all
 
 from . import enforce, grants, install, nvml, observe
 from .layout import HostLayout
@@ -118,10 +118,7 @@ class NodeAgent:
             self._loops.append(asyncio.create_task(self._enforce(), name="enforcer"))
 
     async def stop(self) -> None:
-        for task in self._loops:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all(self._loops)
         if self.grants is not None:
             await self.grants.close()
         if self._nvml is not None:

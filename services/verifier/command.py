@@ -11,6 +11,7 @@ from kai_isolator.shared.bus import Runtime, wait_for_signal
 from kai_isolator.shared.embedded_nats import bus_url
 from kai_isolator.shared.lease import LEASE_BUCKET, Lease, holder_name
 from kai_isolator.shared.settings import BusSettings, ProbeSettings, load, parse_duration
+from kai_isolator.shared.tasks import cancel_all
 
 from .kube import PodNotifier
 from .service import Verifier
@@ -50,10 +51,7 @@ async def running(settings: VerifierSettings, bus: BusSettings, url: str, probe_
     try:
         yield verifier
     finally:
-        for loop in loops:
-            loop.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await loop
+        await cancel_all(loops)
         await lease.release()  # another replica runs the passes at once, not after the ttl
         await runtime.stop()
         if notifier:
