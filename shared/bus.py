@@ -547,6 +547,10 @@ async def provision_bucket(js: JetStreamContext, bucket: str, settings: BusSetti
     return await js.key_value(bucket)
 
 
+# Reads and creates retried while JetStream is unavailable or slow (a cluster electing): about 25 s.
+PROVISION_ATTEMPTS = 15
+
+
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig | None, *, what: str, create: Callable[[], Awaitable[Any]],
                          stream: str | None = None, replicas: int | None = None) -> None:
     """Create the stream, or update it so its configuration (at least its replicas) is the wanted one.
@@ -556,7 +560,7 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig | None, *, w
     """
     name = stream or (config.name if config else "")
     wanted = replicas if replicas is not None else (config.num_replicas if config else 1)
-    for _ in range(5):
+    for attempt in range(PROVISION_ATTEMPTS):
         try:
             info = await js.stream_info(name)
         except nats.js.errors.NotFoundError:
@@ -566,7 +570,18 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig | None, *, w
             except nats.js.errors.APIError as error:
                 if error.err_code == STREAM_NAME_IN_USE:
                     continue  # another replica created it first: read it and converge
+                if isinstance(error, nats.js.errors.ServiceUnavailableError):
+                    await asyncio.sleep(min(2.0, 0.25 * 2 ** attempt))
+                    continue  # JetStream still electing its meta leader
                 raise _cannot_hold(what, wanted, error) from None
+            except nats.errors.TimeoutError:
+                # A cluster that just formed (or is electing) may not answer in time; the create may
+                # still have happened, which the next read finds.
+                await asyncio.sleep(min(2.0, 0.25 * 2 ** attempt))
+                continue
+        except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError):
+            await asyncio.sleep(min(2.0, 0.25 * 2 ** attempt))
+            continue
         current = info.config
         if config is not None:
             target = config
@@ -584,7 +599,7 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig | None, *, w
             return
         except nats.js.errors.APIError as error:
             raise _cannot_hold(what, wanted, error, current.num_replicas) from None
-    raise BusError(f"cannot provision {what}: it keeps changing under us")
+    raise BusError(f"cannot provision {what}: JetStream kept timing out, being unavailable or changing it under us")
 
 
 def _same_stream_config(current: StreamConfig, wanted: StreamConfig) -> bool:
