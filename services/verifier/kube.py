@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from datetime import datetime, timezone
 from collections.abc import Awaitable
 from pathlib import Path
@@ -13,6 +12,7 @@ import aiohttp
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from kai_isolator.shared import kube_events
 from kai_isolator.shared.events import HealthVerdict
 from kai_isolator.shared.operator_view import ISOLATED_CONDITION, NODE_VIEW_ANNOTATION, NodeAgentView, condition_message
 
@@ -30,7 +30,6 @@ class PodNotifier:
     def __init__(self, api: client.ApiClient) -> None:
         self._api = api
         self._core = client.CoreV1Api(api)
-        self._instance = socket.gethostname()
 
     @classmethod
     async def connect(cls, kubeconfig: Path | None) -> PodNotifier:
@@ -46,27 +45,16 @@ class PodNotifier:
 
     async def post_event(self, verdict: HealthVerdict) -> bool:
         reason, kind = REASONS[verdict.verdict]
-        now = datetime.now(timezone.utc)
         message = f"container {verdict.container}: {verdict.verdict}"
         if verdict.reasons:
             message += " (" + "; ".join(f"{r.code}: {r.message}" for r in verdict.reasons) + ")"
-        body = client.CoreV1Event(
-            # Named after the observation, so a retried post is a harmless 409, not a second Event.
-            metadata=client.V1ObjectMeta(name=f"{verdict.pod.name}.{verdict.observation}", namespace=verdict.pod.namespace),
-            involved_object=client.V1ObjectReference(
-                api_version="v1", kind="Pod", name=verdict.pod.name, namespace=verdict.pod.namespace, uid=verdict.pod.uid,
-                field_path=f"spec.containers{{{verdict.container}}}" if verdict.container else None,
-            ),
-            reason=reason, type=kind, message=message[:1024], count=1, first_timestamp=now, last_timestamp=now,
-            source=client.V1EventSource(component=COMPONENT), reporting_component=COMPONENT, reporting_instance=self._instance,
-        )
-        request = self._core.create_namespaced_event(verdict.pod.namespace, body, _request_timeout=(5, 10))
-        return await self._call("post the Kubernetes Event", verdict, request, already_done=409)
+        # Named after the observation, so a retried post is a harmless 409, not a second Event.
+        return await kube_events.post_event(self._api, verdict.pod, reason=reason, kind=kind, message=message,
+                                            key=verdict.observation, component=COMPONENT, container=verdict.container)
 
     async def evict(self, verdict: HealthVerdict) -> bool:
         """Evict through the Eviction API, so PodDisruptionBudgets still protect the workload."""
-        body = client.V1Eviction(metadata=client.V1ObjectMeta(name=verdict.pod.name, namespace=verdict.pod.namespace))
-        return await self._call("evict pod", verdict, self._core.create_namespaced_pod_eviction(verdict.pod.name, verdict.pod.namespace, body, _request_timeout=(5, 10)))
+        return await kube_events.evict(self._api, verdict.pod)
 
     async def annotate_missing(self, verdict: HealthVerdict) -> bool:
         codes = ",".join(r.code for r in verdict.reasons) or "missing"
