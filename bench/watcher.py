@@ -1,12 +1,13 @@
-"""Pod watcher throughput and latency: N GPU-sharing pods created in the sandbox API, their events on JetStream.
+"""Pod watcher throughput, CPU, memory and latency on a real etcd + kube-apiserver, events acked into JetStream.
 
-The watcher runs as its own process (`kai-isolator watcher`, real kubernetes-asyncio against
-the sandbox), so its RSS is its own. Prints: events/s reaching JetStream for a burst of N pod
-creations, p50/p99 latency from pod change (sandbox commit) to the event on the bus, both for
-the burst (includes queueing) and for a paced trickle (unloaded), the watcher's RSS, and the
-ratio to a baseline measured in the same run: sequential acked JetStream publishes with a KV
-put per pod, which is the bus work the watcher does per pod without any Kubernetes work.
-Run: .venv/bin/python bench/watcher.py [--pods 5000] [--paced 200 --rate 50]
+Burst, per round and pod count N: N GPU-sharing pods are created while the watcher is stopped
+(the API server's create rate is not what is measured), then the watcher process starts from its
+saved resume point; events/s is counted from the first to the last of the 2N events on the
+stream, CPU from the watcher's /proc times over the same span. Baseline, interleaved with the
+watcher rounds: the same bus work strictly sequentially (per pod one KV create of the watcher's
+own record bytes, then its two events with the same headers, each awaited), same N. Paced: pods
+created one at a time at --rate while the watcher runs: change (create sent) -> event on the stream.
+Run: .venv/bin/python bench/watcher.py [--pods 5000 20000] [--rounds 2] [--paced 200 --rate 50]
 """
 
 from __future__ import annotations
@@ -15,34 +16,50 @@ import argparse
 import asyncio
 import os
 import signal
+import ssl
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import nats
-from nats.js.api import KeyValueConfig
+import orjson
 
-from kai_isolator.services.sandbox.api import SandboxApi
-from kai_isolator.services.sandbox.settings import SandboxSettings
+from kai_isolator.services.watcher.settings import WatcherSettings
+from kai_isolator.services.watcher.story import advance, view_of
 from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import provision_stream
-from kai_isolator.shared.embedded_nats import EmbeddedNats
-from kai_isolator.shared.events import PodIsolation, PodRef, encode
+from kai_isolator.shared.embedded_nats import EmbeddedNats, free_port
+from kai_isolator.shared.events import encode
+from kai_isolator.shared.lease import LEASE_BUCKET
 from kai_isolator.shared.settings import BusSettings
 
-EVENTS_PER_POD = 2  # admitted + isolation-missing: the bench pods carry no injection
+try:
+    from kai_isolator.services.devcluster.build import ensure_all
+    from kai_isolator.services.devcluster.plane import ControlPlane
+except ImportError:  # before the control plane moved into the package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from control_plane.build import ensure_all  # type: ignore[no-redef]
+    from control_plane.cluster import ControlPlane  # type: ignore[no-redef]
+
+EVENTS_PER_POD = 2  # admitted + isolation-missing: no scheduler, no webhook, so no node and no injection
+CREATORS = 48  # concurrent creates: the API server's own rate, outside every timed region
 
 
-def gpu_pod(name: str) -> dict:
-    return {"metadata": {"name": name, "annotations": {"gpu-memory": "4096"}}, "spec": {"containers": [{"name": "main", "image": "busybox"}]}}
+def gpu_pod(name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "annotations": {"gpu-memory": "4096"}},
+            "spec": {"containers": [{"name": "main", "image": "busybox"}]}}
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+def proc_stat(pid: int) -> tuple[float, float]:
+    """(CPU seconds, RSS MiB) of a process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    rss = int(fields[21]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return cpu, rss
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -50,44 +67,160 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
+@dataclass
 class Arrivals:
-    """Time each pod's first event reaches the bus (core subscription on the stream's subjects)."""
+    """Every pod event reaching the stream's subjects (a core subscription), with the watcher's CPU at the first."""
 
-    def __init__(self) -> None:
-        self.first: dict[str, float] = {}
-        self.count = 0
-        self.last_at = 0.0
+    pid: int = 0
+    count: int = 0
+    first_at: float = 0.0
+    last_at: float = 0.0
+    cpu_at_first: float = 0.0
+    first: dict[str, float] = field(default_factory=dict)
 
-    async def on_message(self, msg: nats.aio.msg.Msg) -> None:
+    def reset(self, pid: int) -> None:
+        self.pid, self.count, self.first_at, self.last_at = pid, 0, 0.0, 0.0
+        self.first.clear()
+
+    async def on_message(self, msg: Any) -> None:
         now = time.perf_counter()
+        if self.count == 0:
+            self.first_at = now
+            self.cpu_at_first = proc_stat(self.pid)[0] if self.pid else 0.0
         self.count += 1
         self.last_at = now
-        name = msg.subject.rsplit(".", 1)[-1]
-        self.first.setdefault(name, now)
+        self.first.setdefault(msg.subject, now)
 
 
-async def wait_for(predicate, timeout_s: float) -> None:
+async def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise SystemExit("bench: timed out waiting for the watcher")
-        await asyncio.sleep(0.01)
+            raise SystemExit(f"bench: timed out waiting for {what}")
+        await asyncio.sleep(0.005)
 
 
-async def baseline(url: str, pods: int) -> float:
-    """Events/s of the watcher's bus work alone: per pod one KV put then two acked publishes, sequentially."""
-    nc = await nats.connect(url)
+class Api:
+    """The admin's REST calls on the real API server, many in flight."""
+
+    def __init__(self, plane: Any) -> None:
+        context = ssl.create_default_context(cafile=str(plane.workdir / "ca.crt"))
+        context.load_cert_chain(str(plane.workdir / "admin.crt"), str(plane.workdir / "admin.key"))
+        self.url = plane.url
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context, limit=CREATORS))
+
+    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        async with self.session.post(self.url + path, data=orjson.dumps(body), headers={"Content-Type": "application/json"}) as answer:
+            data = await answer.read()
+            if answer.status >= 300:
+                raise SystemExit(f"bench: POST {path}: {answer.status} {data[:300]!r}")
+            return dict(orjson.loads(data))
+
+    async def namespace(self, name: str) -> None:
+        await self.post("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+        # What the controller-manager (absent here) would create: pods need their namespace's default ServiceAccount.
+        await self.post(f"/api/v1/namespaces/{name}/serviceaccounts", {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}})
+
+    async def create_pods(self, namespace: str, names: list[str]) -> list[dict[str, Any]]:
+        queue = list(reversed(names))
+        created: list[dict[str, Any]] = []
+
+        async def creator() -> None:
+            while queue:
+                created.append(await self.post(f"/api/v1/namespaces/{namespace}/pods", gpu_pod(queue.pop())))
+
+        await asyncio.gather(*(creator() for _ in range(CREATORS)))
+        return created
+
+
+class Watcher:
+    """The watcher as its own process (`python -m kai_isolator.services.watcher`), so its CPU and RSS are its own."""
+
+    def __init__(self, kubeconfig: Path, nats_url: str, log: Path) -> None:
+        self.args = ["--kubeconfig", str(kubeconfig), "--probe-listen", f"127.0.0.1:{free_port()}"]
+        self.env = {**os.environ, "KAI_ISOLATOR_NATS_URL": nats_url, "KAI_ISOLATOR_LOG_LEVEL": "warning"}
+        self.log = log
+        self.process: asyncio.subprocess.Process | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    async def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.process = await asyncio.create_subprocess_exec(sys.executable, "-m", "kai_isolator.services.watcher", *self.args,
+                                                                env=self.env, stdout=out, stderr=out)
+
+    async def stop(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.send_signal(signal.SIGTERM)  # graceful: the resume point is saved
+            await self.process.wait()
+
+
+@dataclass
+class Burst:
+    pods: int
+    rate: float
+    cpu_us: float
+    rss_after: float
+    startup_s: float
+
+
+async def watcher_burst(api: Api, watcher: Watcher, arrivals: Arrivals, js: Any, namespace: str, pods: int) -> Burst:
+    await watcher.stop()
+    await js.purge_stream(f"KV_{WatcherSettings().state_bucket}")  # each round tracks its own N pods only
+    await api.namespace(namespace)
+    await api.create_pods(namespace, [f"p-{i}" for i in range(pods)])
+    spawned = time.perf_counter()
+    await watcher.start()
+    arrivals.reset(watcher.pid)
+    await wait_for(lambda: arrivals.count >= pods * EVENTS_PER_POD, 600, f"{pods * EVENTS_PER_POD} events")
+    cpu = proc_stat(watcher.pid)[0] - arrivals.cpu_at_first
+    await asyncio.sleep(1.0)
+    rss_after = proc_stat(watcher.pid)[1]
+    span = arrivals.last_at - arrivals.first_at
+    return Burst(pods, (arrivals.count - 1) / span, cpu / (arrivals.count - 1) * 1e6, rss_after, arrivals.first_at - spawned)
+
+
+async def baseline(nats_url: str, sample: dict[str, Any], pods: int, round_no: int) -> float:
+    """Events/s of the watcher's bus work strictly one pod after the other: its record bytes and event bytes, awaited one by one."""
+    nc = await nats.connect(nats_url)
     js = nc.jetstream()
-    kv = await js.create_key_value(KeyValueConfig(bucket="bench-baseline", history=1))
+    kv = await js.key_value(WatcherSettings().state_bucket)
+    view = view_of(sample)
+    assert view is not None
+    events, record = advance(view, None, None)
+    value = record.model_dump_json().encode()
+    datas = [encode(e, "watcher") for e in events]
     started = time.perf_counter()
     for i in range(pods):
-        await kv.put(f"all.uid-{i}", b"{" + b"x" * 400 + b"}")
-        for state in ("admitted", "isolation-missing"):
-            event = PodIsolation(pod=PodRef(namespace="baseline", name=f"b-{i}", uid=f"uid-{i}"), resource_version=str(i), state=state, gpu_memory="4096")
-            await js.publish(event.subject(), encode(event, "bench"), headers={"Nats-Msg-Id": event.dedup_id()})
-    rate = pods * EVENTS_PER_POD / (time.perf_counter() - started)
+        uid = f"baseline-{round_no}-{pods}-{i}"
+        await kv.create(f"all.{uid}", value)
+        seq = 0
+        for n, data in enumerate(datas):
+            subject = subjects.pod(f"baseline-{round_no}-{pods}", f"p-{i}")
+            headers = {"Nats-Msg-Id": f"pod:{uid}:{n}", "Content-Type": "application/cloudevents+json",
+                       "Nats-Expected-Last-Subject-Sequence": str(seq)}
+            seq = (await js.publish(subject, data, headers=headers)).seq
+    rate = pods * len(datas) / (time.perf_counter() - started)
     await nc.close()
     return rate
+
+
+async def paced(api: Api, arrivals: Arrivals, namespace: str, count: int, rate: float) -> tuple[list[float], list[float]]:
+    await api.namespace(namespace)
+    sent: dict[str, float] = {}
+    answered: dict[str, float] = {}
+    for i in range(count):
+        name = f"p-{i}"
+        sent[name] = time.perf_counter()
+        await api.post(f"/api/v1/namespaces/{namespace}/pods", gpu_pod(name))
+        answered[name] = time.perf_counter()
+        await asyncio.sleep(1 / rate)
+    subject = {n: subjects.pod(namespace, n) for n in sent}
+    await wait_for(lambda: all(s in arrivals.first for s in subject.values()), 60, "the paced pods' events")
+    return [arrivals.first[subject[n]] - sent[n] for n in sent], [answered[n] - sent[n] for n in sent]
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -95,66 +228,63 @@ async def main(args: argparse.Namespace) -> None:
         work = Path(tmp)
         server = EmbeddedNats(work / "js")
         server.start()
-        settings = BusSettings(nats_url=server.url)
+        plane = ControlPlane(ensure_all(sys.stderr), work / "plane").start()
+        api = Api(plane)
         nc = await nats.connect(server.url)
-        await provision_stream(nc.jetstream(), settings)
+        js = nc.jetstream()
+        await provision_stream(js, BusSettings(nats_url=server.url))
         arrivals = Arrivals()
-        await nc.subscribe(subjects.ALL_PODS, cb=arrivals.on_message)
-        sandbox = SandboxApi(SandboxSettings(kubeconfig=work / "kubeconfig", bookmark_interval_s=1.0, retained_events=args.pods * 4 + 1000))
-        await sandbox.start()
-        env = {**os.environ, "KAI_ISOLATOR_NATS_URL": server.url, "KAI_ISOLATOR_LOG_LEVEL": "warning"}
-        watcher = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kai_isolator.services.cli", "watcher", "--kubeconfig", str(work / "kubeconfig"), "--probe-listen", "127.0.0.1:0", env=env,
-        )
+        await nc.subscribe(subjects.ALL_PODS, cb=arrivals.on_message, pending_msgs_limit=-1, pending_bytes_limit=-1)
+        watcher = Watcher(plane.admin_kubeconfig, server.url, work / "watcher.log")
+        bursts: list[Burst] = []
+        baselines: dict[int, list[float]] = {}
         try:
-            await sandbox.create("pods", gpu_pod("warm-up"), "default")
-            await wait_for(lambda: "warm-up" in arrivals.first, 60)
-            rss_idle = rss_mib(watcher.pid)
-
-            # Burst: every pod at once; events/s is what the watcher sustains, latency includes the queue.
-            arrivals.count = 0
-            created: dict[str, float] = {}
-            started = time.perf_counter()
-            for i in range(args.pods):
-                name = f"burst-{i}"
-                await sandbox.create("pods", gpu_pod(name), "default")
-                created[name] = time.perf_counter()
-                if i % 100 == 99:
-                    await asyncio.sleep(0)
-            await wait_for(lambda: arrivals.count >= args.pods * EVENTS_PER_POD, 600)
-            burst_rate = arrivals.count / (arrivals.last_at - started)
-            burst_lat = [arrivals.first[n] - t for n, t in created.items()]
-            rss_after = rss_mib(watcher.pid)
-
-            # Paced: a trickle, so latency is the path itself (watch -> watcher -> KV -> JetStream).
-            paced: dict[str, float] = {}
-            for i in range(args.paced):
-                name = f"paced-{i}"
-                await sandbox.create("pods", gpu_pod(name), "default")
-                paced[name] = time.perf_counter()
-                await asyncio.sleep(1 / args.rate)
-            await wait_for(lambda: all(n in arrivals.first for n in paced), 120)
-            paced_lat = [arrivals.first[n] - t for n, t in paced.items()]
+            await api.namespace("warm-up")
+            sample = (await api.create_pods("warm-up", ["w-0"]))[0]
+            await watcher.start()  # the first start lists, provisions the buckets and saves a resume point
+            arrivals.reset(watcher.pid)
+            await wait_for(lambda: arrivals.count >= EVENTS_PER_POD, 60, "the warm-up pod's events")
+            await asyncio.sleep(2.5)  # past the resume save interval
+            warm_rss = proc_stat(watcher.pid)[1]  # idle, one pod tracked: the reference for the per-pod figure
+            for round_no in range(args.rounds):
+                for pods in args.pods:
+                    baselines.setdefault(pods, []).append(await baseline(server.url, sample, pods, round_no))
+                    bursts.append(await watcher_burst(api, watcher, arrivals, js, f"burst-{round_no}-{pods}", pods))
+                    print(f"  round {round_no + 1}, {pods} pods: watcher {bursts[-1].rate:.0f} events/s, baseline {baselines[pods][-1]:.0f}",
+                          file=sys.stderr, flush=True)
+            await asyncio.sleep(1.0)
+            cpu_idle, rss_idle = proc_stat(watcher.pid)
+            await asyncio.sleep(5.0)
+            idle_cpu_share = (proc_stat(watcher.pid)[0] - cpu_idle) / 5.0
+            paced_lat, create_lat = await paced(api, arrivals, "paced", args.paced, args.rate)
+            rss_tracked = proc_stat(watcher.pid)[1]
         finally:
-            watcher.send_signal(signal.SIGTERM)
-            await watcher.wait()
-            await sandbox.stop()
-        base = await baseline(server.url, min(args.pods, 2000))
-        await nc.close()
-        server.stop()
+            await watcher.stop()
+            await api.session.close()
+            await nc.close()
+            plane.stop()
+            server.stop()
 
     ms = 1000
-    print(f"watcher bench: {args.pods} GPU-sharing pods created in one burst, {args.pods * EVENTS_PER_POD} events")
-    print(f"  events/s reaching JetStream (burst):        {burst_rate:10.0f}")
-    print(f"  baseline events/s (same bus work, no k8s):  {base:10.0f}   ratio watcher/baseline = {burst_rate / base:.2f}")
-    print(f"  pod change -> bus latency, burst:   p50 {percentile(burst_lat, .5) * ms:8.1f} ms   p99 {percentile(burst_lat, .99) * ms:8.1f} ms (includes the backlog)")
-    print(f"  pod change -> bus latency, paced ({args.paced} pods at {args.rate}/s): p50 {percentile(paced_lat, .5) * ms:6.1f} ms   p99 {percentile(paced_lat, .99) * ms:6.1f} ms")
-    print(f"  watcher RSS: {rss_idle:.1f} MiB idle, {rss_after:.1f} MiB after {args.pods} pods tracked")
+    print(f"watcher bench: real kube-apiserver {plane.binaries.kube_version}, {args.rounds} interleaved rounds; events/s into JetStream")
+    for pods in args.pods:
+        mine = [b for b in bursts if b.pods == pods]
+        for n, (b, base) in enumerate(zip(mine, baselines[pods], strict=True)):
+            print(f"  {pods:6d} pods, round {n + 1}: watcher {b.rate:8.0f} events/s   sequential baseline {base:7.0f}   ratio {b.rate / base:5.2f}"
+                  f"   CPU {b.cpu_us:5.0f} us/event   {(b.rss_after - warm_rss) * 1024 / pods:4.2f} KiB/pod tracked"
+                  f"   (start to first event {b.startup_s:.2f} s)")
+    print(f"  idle RSS (one pod tracked): {warm_rss:.1f} MiB; KiB/pod = (RSS after the burst - that) / N, transient buffers included")
+    print(f"  idle watcher after the bursts ({bursts[-1].pods} pods tracked): RSS {rss_idle:.1f} MiB, CPU {idle_cpu_share * 100:.2f}% of a core")
+    print(f"  paced ({args.paced} pods at {args.rate:g}/s) create sent -> event on the stream: p50 {percentile(paced_lat, .5) * ms:5.2f} ms"
+          f"   p99 {percentile(paced_lat, .99) * ms:5.2f} ms   (the create call itself: p50 {percentile(create_lat, .5) * ms:5.2f} ms,"
+          f" p99 {percentile(create_lat, .99) * ms:5.2f} ms)")
+    print(f"  RSS after the paced pods: {rss_tracked:.1f} MiB")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pods", type=int, default=5000, help="pods created in the burst (default 5000)")
+    parser.add_argument("--pods", type=int, nargs="+", default=[5000, 20000], help="pods per burst (default 5000 20000)")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of baseline and watcher (default 2)")
     parser.add_argument("--paced", type=int, default=200, help="pods created one by one afterwards (default 200)")
     parser.add_argument("--rate", type=float, default=50.0, help="pods per second in the paced phase (default 50)")
     asyncio.run(main(parser.parse_args()))

@@ -12,7 +12,8 @@ from kai_isolator.shared.embedded_nats import bus_url
 from kai_isolator.shared.lease import LEASE_BUCKET, Lease, holder_name
 from kai_isolator.shared.settings import BusSettings, ProbeSettings, load
 
-from .service import PodWatcher, api_client
+from .kube import KubeClient, load_endpoint
+from .service import PodWatcher
 from .settings import WatcherSettings
 
 SERVICE = "watcher"
@@ -32,7 +33,7 @@ async def running(settings: WatcherSettings, bus: BusSettings, url: str, probe_l
     """A started runtime + watcher for the block; stopped gracefully on exit."""
     runtime = Runtime(SERVICE if not settings.node else f"{SERVICE}-{settings.node}", bus,
                       kv_buckets=(settings.resume_bucket, settings.state_bucket, LEASE_BUCKET), probe_listen=probe_listen)
-    api = await api_client(settings)  # a bad kubeconfig fails fast, before waiting on the bus
+    api = KubeClient(load_endpoint(settings.kubeconfig))  # a bad kubeconfig fails fast, before waiting on the bus
     try:
         await runtime.start(url)
     except BaseException:

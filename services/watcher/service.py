@@ -1,10 +1,14 @@
-"""The pod watcher: list + watch pods with kubernetes-asyncio and publish each GPU-sharing pod's story on the bus.
+"""The pod watcher: list + watch pods and publish each GPU-sharing pod's story on the bus, many pods at a time.
 
 Restart-safe: the resume resourceVersion and every pod's published states live in KV
-buckets. Nothing is lost: when NATS is away the watcher stops reading the watch (the API
-server keeps the history) and retries; on 410 Gone it relists and reconciles, deletions
-included. Nothing is duplicated for a durable consumer: stored states are never
+buckets. Nothing is lost: when NATS is away the lanes stop, the watch is no longer read
+(the API server keeps the history) and they retry; on 410 Gone it relists and reconciles,
+deletions included. Nothing is duplicated for a durable consumer: stored states are never
 re-published, and a re-publication after a crash carries the same `Nats-Msg-Id`.
+
+Pipelined: changes go to ordered lanes keyed by the pod (its subject), so one pod's write-ahead
+record and events stay in order while other pods' round trips overlap; the resume point only
+ever names a version up to which every change was fully handled.
 
 Replicated active/standby: one watcher per scope holds a KV lease and works, the others wait
 to take over. Fenced: every record write is a compare-and-set on its KV revision and every
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import heapq
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -25,27 +29,32 @@ from typing import Any, TypeVar
 import aiohttp
 import nats.errors
 import nats.js.errors
-from kubernetes_asyncio import client, config, watch
-from kubernetes_asyncio.client.exceptions import ApiException
-from kubernetes_asyncio.config import ConfigException
+import orjson
 from prometheus_client import Counter, Gauge
 
 from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import Runtime
-from kai_isolator.shared.errors import BusError, ConfigError, FencedError, LeaseLostError
+from kai_isolator.shared.errors import BusError, FencedError, LeaseLostError
 from kai_isolator.shared.events import PodIsolation
 from kai_isolator.shared.lease import Lease
 
+from .kube import KubeApiError, KubeClient
+from .lanes import Lanes, Progress
 from .settings import WatcherSettings
 from .story import PodRecord, PodView, advance, deletion, needs_limit, view_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 RESUME_KEY_PREFIX = "resume"
+PODS_PATH = "/api/v1/pods"
 
 
 class _Stopping(Exception):
     """Stop was asked while waiting for the bus; what is unpublished is replayed after restart."""
+
+
+class _Gone(Exception):
+    """The watch's version is older than the API server keeps (410): relist."""
 
 
 class _Metrics:
@@ -59,38 +68,41 @@ class _Metrics:
         self.synced = Gauge("kai_isolator_watcher_synced", "1 once the first list has been reconciled", registry=r)
         self.leader = Gauge("kai_isolator_watcher_leader", "1 while this replica holds the watch lease (0: standby)", registry=r)
         self.step_downs = Counter("kai_isolator_watcher_step_downs", "Lease lost or a fenced write refused: state dropped, standby again", registry=r)
+        self.in_flight = Gauge("kai_isolator_watcher_in_flight", "Changes read but not yet fully handled", registry=r)
+        # Children resolved once: a labels() lookup per event is a measurable share of the hot path.
+        self._changes: dict[str, Any] = {}
+        self._published: dict[str, Any] = {}
 
+    def changed(self, kind: str) -> None:
+        child = self._changes.get(kind)
+        if child is None:
+            child = self._changes[kind] = self.changes.labels(kind)
+        child.inc()
 
-async def api_client(settings: WatcherSettings) -> client.ApiClient:
-    """An ApiClient from the kubeconfig, in-cluster config, or ~/.kube/config, in that order."""
-    configuration = client.Configuration()
-    try:
-        if settings.kubeconfig:
-            await config.load_kube_config(config_file=str(settings.kubeconfig), client_configuration=configuration, persist_config=False)
-        else:
-            try:
-                config.load_incluster_config(client_configuration=configuration)
-            except ConfigException:
-                await config.load_kube_config(client_configuration=configuration, persist_config=False)
-    except (ConfigException, OSError) as error:
-        raise ConfigError(f"cannot load Kubernetes client configuration: {error}") from None
-    return client.ApiClient(configuration)
+    def emitted(self, state: str) -> None:
+        child = self._published.get(state)
+        if child is None:
+            child = self._published[state] = self.published.labels(state)
+        child.inc()
 
 
 class PodWatcher:
     """One watcher scope (all pods, or one node's) bound to a started Runtime with its KV buckets."""
 
-    def __init__(self, runtime: Runtime, settings: WatcherSettings, api: client.ApiClient, lease: Lease) -> None:
+    def __init__(self, runtime: Runtime, settings: WatcherSettings, api: KubeClient, lease: Lease) -> None:
         self.runtime = runtime
         self.settings = settings
-        self.core = client.CoreV1Api(api)
+        self.api = api
         self.metrics = _Metrics(runtime)
         self.records: dict[str, PodRecord] = {}
         self.resource_version: str | None = None
+        """The resume point: every change up to it is fully handled (saved to KV now and then)."""
+        self._read_version: str | None = None
+        """The last version read from the API: where a re-watch continues while the lanes work on."""
         self._saved_version: str | None = None
-        self._unsaved = 0
         self._saved_at = time.monotonic()
-        self._limits: dict[tuple[str, str, str], str] = {}
+        self._limits: dict[str, dict[tuple[str, str], str]] = {}
+        """pod uid -> (ConfigMap, key) -> the limit read from it."""
         self._stopping = asyncio.Event()
         self._loaded = False
         self.synced = asyncio.Event()
@@ -100,6 +112,12 @@ class PodWatcher:
         """KV revision of each pod record as we last wrote or read it: the compare-and-set fence."""
         self._tips: dict[str, tuple[int, str | None]] = {}
         """subject -> (last stream sequence, its event id) as this leader knows it: the publish fence."""
+        self._tombstones: list[tuple[int, str]] = []
+        """(version, uid) of closed stories, a heap: dropped once the saved resume point passed them."""
+        self._progress = Progress(settings.max_in_flight)
+        self._lanes = Lanes(settings.lanes, self._progress)
+        self._state = asyncio.Lock()
+        """Held by a relist and a resume save: both walk the records the other would drop."""
         # A standby can work (it takes over on its own), so it is ready; a leader once it has listed.
         runtime.add_readiness_check(lambda: None if self.synced.is_set() or not self.leading.is_set() else "first pod list not reconciled yet")
 
@@ -158,8 +176,8 @@ class PodWatcher:
                 for task in (keeper, lead, lost):
                     task.cancel()
                 results = await asyncio.gather(keeper, lead, lost, return_exceptions=True)
-            error = results[1]
-            if isinstance(error, BaseException) and not isinstance(error, (LeaseLostError, asyncio.CancelledError)):
+            error = _unwrapped(results[1])
+            if isinstance(error, BaseException) and not isinstance(error, (LeaseLostError, asyncio.CancelledError, _Stopping)):
                 raise error
             if self._stopping.is_set():
                 return
@@ -177,33 +195,40 @@ class PodWatcher:
         self._revisions.clear()
         self._tips.clear()
         self._limits.clear()
-        self.resource_version = self._saved_version = None
-        self._unsaved = 0
+        self._tombstones.clear()
+        self.resource_version = self._saved_version = self._read_version = None
         self._loaded = False
         self.lease.token = None
 
     async def _main(self) -> None:
+        self._progress = Progress(self.settings.max_in_flight)
+        self._lanes = Lanes(self.settings.lanes, self._progress)
         await self._retrying("bus", self._load_state)
         await self._retrying("bus", self._recover)
         self._loaded = True
-        await self._loop()
+        # One group: a lane's failure (a fenced write, a bug) ends the reading and the saving too.
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._lanes.run(), name="watch-lanes")
+            group.create_task(self._saver(), name="watch-resume-saver")
+            group.create_task(self._loop(), name="watch-read")
 
     async def _loop(self) -> None:
         delay = self.settings.backoff_base_s
         while not self._stopping.is_set():
             try:
-                if self.resource_version is None:
+                if self._read_version is None:
                     await self._relist()
                 await self._watch()
                 delay = self.settings.backoff_base_s
-            except ApiException as error:
-                if error.status == 410:
-                    log.info("resume version expired (410 Gone); relisting", extra={"resource_version": self.resource_version})
-                    self.resource_version = None
-                    continue
+            except _Gone:
+                log.info("resume version expired (410 Gone); relisting", extra={"resource_version": self._read_version})
+                await self._progress.drained()
+                self._read_version = None
+            except KubeApiError as error:
                 delay = await self._pause("api", delay, f"API error {error.status}: {error.reason}")
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
                 delay = await self._pause("api", delay, f"{type(error).__name__}: {error}")
+        raise _Stopping
 
     async def _pause(self, cause: str, delay: float, why: str) -> float:
         self.metrics.retries.labels(cause).inc()
@@ -212,35 +237,34 @@ class PodWatcher:
             await asyncio.wait_for(self._stopping.wait(), delay)
         return min(delay * 2, self.settings.backoff_max_s)
 
-    def _list_kwargs(self) -> dict[str, Any]:
-        return {"field_selector": f"spec.nodeName={self.settings.node}"} if self.settings.node else {}
+    def _selector(self) -> dict[str, str]:
+        return {"fieldSelector": f"spec.nodeName={self.settings.node}"} if self.settings.node else {}
 
     async def _relist(self) -> None:
         """List every pod, publish what changed against the stored records, and close the stories of pods now gone."""
         self.metrics.relists.inc()
         timeout = aiohttp.ClientTimeout(sock_connect=self.settings.connect_timeout_s, total=self.settings.list_timeout_s)
-        response = await self.core.list_pod_for_all_namespaces(_preload_content=False, _request_timeout=timeout, **self._list_kwargs())
         try:
-            body = await response.read()
-        finally:
-            response.release()
-        if response.status >= 400:
-            raise ApiException(status=response.status, reason=_status_message(body))
-        listing = json.loads(body)
+            listing = await self.api.get(PODS_PATH, self._selector(), timeout)
+        except KubeApiError as error:
+            if error.status == 410:
+                raise _Gone from None
+            raise
         version = str(listing["metadata"]["resourceVersion"])
-        present = set()
-        for pod in listing.get("items") or []:
-            view = view_of(pod)
-            if view is not None:
-                present.add(view.uid)
-                await self._observe(view)
-        for uid in [u for u in self.records if u not in present]:
-            if _closed(self.records[uid]):
-                await self._retrying("bus", self._drop_record, self.records[uid])
-            else:
-                await self._close(self.records[uid], version)
-        self.resource_version = version
-        await self._retrying("bus", self._save_resume, force=True)
+        async with self._state:
+            present = set()
+            for pod in listing.get("items") or []:
+                view = view_of(pod)
+                if view is not None:
+                    present.add(view.uid)
+                    await self._submit(view.namespace, view.name, None, self._observe, view)
+            for uid in [u for u in self.records if u not in present]:
+                record = self.records[uid]
+                await self._submit(record.namespace, record.name, None, self._gone, uid, version)
+            await self._progress.drained()
+            self._read_version = self.resource_version = version
+            self._progress.handled = version
+            await self._retrying("bus", self._save_resume, force=True, locked=True)
         log.info("pods listed and reconciled", extra={"resource_version": version, "tracked": len(self.records)})
 
     async def _watch(self) -> None:
@@ -248,37 +272,48 @@ class PodWatcher:
         self.synced.set()  # listed now, or resuming from a version whose state KV holds
         self.metrics.synced.set(1)
         timeout = aiohttp.ClientTimeout(sock_connect=s.connect_timeout_s, sock_read=s.read_timeout_s)
-        async with watch.Watch(return_type="object") as stream:
-            async for event in stream.stream(
-                self.core.list_pod_for_all_namespaces, resource_version=self.resource_version, allow_watch_bookmarks=True,
-                timeout_seconds=s.watch_timeout_s, _request_timeout=timeout, **self._list_kwargs(),
-            ):
+        params = {"resourceVersion": self._read_version or "", "allowWatchBookmarks": "true", "timeoutSeconds": str(s.watch_timeout_s),
+                  **self._selector()}
+        try:
+            async for event in self.api.watch(PODS_PATH, params, timeout):
                 if self._stopping.is_set():
                     return
-                if not isinstance(event, dict):
-                    raise ApiException(status=0, reason=f"unreadable watch line: {str(event)[:200]}")
-                kind = event.get("type")
-                self.metrics.changes.labels(str(kind)).inc()
-                pod = event.get("raw_object") or {}
-                if kind in ("ADDED", "MODIFIED"):
-                    view = view_of(pod)
-                    if view is not None:
-                        await self._observe(view)
-                elif kind == "DELETED":
-                    view = view_of(pod)
-                    if view is not None:
-                        await self._observe(view)
-                    # By uid: a pod whose GPU annotations were removed before deletion still ends its story.
-                    uid = str((pod.get("metadata") or {}).get("uid") or "")
-                    if uid in self.records and not _closed(self.records[uid]):
-                        await self._close(self.records[uid], str((pod.get("metadata") or {}).get("resourceVersion") or ""))
-                version = str((pod.get("metadata") or {}).get("resourceVersion") or "")
-                if version:
-                    self.resource_version = version
-                    self._unsaved += 1
-                    await self._retrying("bus", self._save_resume, force=kind == "BOOKMARK")
+                await self._dispatch(event)
+        except KubeApiError as error:
+            if error.status == 410:
+                raise _Gone from None
+            raise
 
-    # --- one pod ------------------------------------------------------------------------
+    async def _dispatch(self, event: dict[str, Any]) -> None:
+        """Hand one watch event to its pod's lane; what needs no bus work is handled on the spot."""
+        kind = str(event.get("type"))
+        self.metrics.changed(kind)
+        pod = event.get("object") or {}
+        meta = pod.get("metadata") or {}
+        version = str(meta.get("resourceVersion") or "") or None
+        if kind == "BOOKMARK":
+            if version:
+                self._read_version = version
+                self._progress.enter(version, done=True)
+            return
+        view = view_of(pod)
+        if kind == "DELETED":
+            # By uid too: a pod whose GPU annotations were removed before deletion still ends its story.
+            await self._submit(str(meta.get("namespace", "")), str(meta.get("name", "")), version, self._deleted, view, meta)
+        elif view is not None:
+            await self._submit(view.namespace, view.name, version, self._observe, view)
+        elif version:
+            self._progress.enter(version, done=True)
+        if version:
+            self._read_version = version
+
+    async def _submit(self, namespace: str, name: str, version: str | None, action: Callable[..., Awaitable[None]], *args: Any) -> None:
+        if len(self._progress) >= self._progress.limit:
+            await self._progress.room()  # backpressure: the watch is not read while the lanes are full
+        self._lanes.submit(f"{namespace}/{name}", version, action, *args)
+        self.metrics.in_flight.set(len(self._progress))
+
+    # --- one pod (on its lane) ----------------------------------------------------------
 
     async def _observe(self, view: PodView) -> None:
         record = self.records.get(view.uid)
@@ -293,14 +328,42 @@ class PodWatcher:
         await self._retrying("bus", self._put_record, updated)
         for event in events:
             await self._retrying("bus", self._publish, event)
+        self._published(updated)
+
+    async def _deleted(self, view: PodView | None, meta: dict[str, Any]) -> None:
+        if view is not None:
+            await self._observe(view)
+        uid = str(meta.get("uid") or "")
+        record = self.records.get(uid)
+        if record is not None and not _closed(record):
+            await self._close(record, str(meta.get("resourceVersion") or ""))
+
+    async def _gone(self, uid: str, version: str) -> None:
+        """A relist no longer lists the pod: end its story, or forget it if that is done already."""
+        record = self.records.get(uid)
+        if record is None:
+            return
+        if _closed(record):
+            await self._retrying("bus", self._drop_record, record)
+        else:
+            await self._close(record, version)
 
     async def _close(self, record: PodRecord, version: str) -> None:
-        self._limits = {key: value for key, value in self._limits.items() if key[0] != record.uid}
+        self._limits.pop(record.uid, None)
         event = deletion(record, version)
         closing = record.model_copy(update={"pending": [event]})
         await self._retrying("bus", self._put_record, closing)
         await self._retrying("bus", self._publish, event)
-        await self._retrying("bus", self._put_record, _tombstone(closing))
+        tombstone = _tombstone(closing)
+        await self._retrying("bus", self._put_record, tombstone)
+        with contextlib.suppress(ValueError):
+            heapq.heappush(self._tombstones, (int(tombstone.resource_version), tombstone.uid))
+
+    def _published(self, record: PodRecord) -> None:
+        """The record's events are out: keep it in memory without them (KV still has them for a crash's recovery)."""
+        current = self.records.get(record.uid)
+        if current is record:
+            self.records[record.uid] = record.model_copy(update={"pending": []})
 
     async def _recover(self) -> None:
         """Finish what a crash interrupted: publish each record's pending events the stream does not have yet."""
@@ -309,7 +372,7 @@ class PodWatcher:
             subject = record.pending[0].subject()
             try:
                 last = await js.get_last_msg(subjects.STREAM_NAME, subject)
-                last_id = json.loads(last.data or b"{}").get("id")
+                last_id = orjson.loads(last.data or b"{}").get("id")
             except nats.js.errors.NotFoundError:
                 last_id = None
             ids = [e.dedup_id() for e in record.pending]
@@ -320,6 +383,8 @@ class PodWatcher:
                 log.info("republished events interrupted by a crash", extra={"pod": f"{record.namespace}/{record.name}", "events": len(unsent)})
             if any(e.state == "deleted" for e in record.pending):
                 await self._put_record(_tombstone(record))
+            else:
+                self._published(record)
 
     async def _expected_limit(self, view: PodView) -> str | None:
         """Read the limit KAI granted: a literal env value, or the ConfigMap key its binder wrote."""
@@ -329,26 +394,21 @@ class PodWatcher:
         if source.literal is not None:
             return source.literal
         # Per pod: a recreated pod may reuse the ConfigMap name with another limit.
-        key = (view.uid, source.configmap or "", source.key)
-        if key in self._limits:
-            return self._limits[key]
+        key = (source.configmap or "", source.key)
+        known = self._limits.get(view.uid, {})
+        if key in known:
+            return known[key]
+        timeout = aiohttp.ClientTimeout(sock_connect=self.settings.connect_timeout_s, total=self.settings.list_timeout_s)
         try:
-            response = await self.core.read_namespaced_config_map(
-                source.configmap, view.namespace, _preload_content=False,
-                _request_timeout=aiohttp.ClientTimeout(sock_connect=self.settings.connect_timeout_s, total=self.settings.list_timeout_s),
-            )
-            try:
-                body = await response.read()
-            finally:
-                response.release()
+            body = await self.api.get(f"/api/v1/namespaces/{view.namespace}/configmaps/{source.configmap}", {}, timeout)
+        except KubeApiError:
+            return None  # not written (yet): KAI leaves the limit unset when its calculation fails
         except (aiohttp.ClientError, asyncio.TimeoutError) as error:
             log.warning("cannot read the limit ConfigMap", extra={"pod": f"{view.namespace}/{view.name}", "error": repr(error)})
             return None
-        if response.status != 200:
-            return None  # not written (yet): KAI leaves the limit unset when its calculation fails
-        value = (json.loads(body).get("data") or {}).get(source.key)
+        value = (body.get("data") or {}).get(source.key)
         if value is not None:
-            self._limits[key] = value
+            self._limits.setdefault(view.uid, {})[key] = value
         return value
 
     # --- the bus ------------------------------------------------------------------------
@@ -358,31 +418,43 @@ class PodWatcher:
         if subject not in self._tips:
             try:
                 last = await self.runtime.jetstream.get_last_msg(subjects.STREAM_NAME, subject)
-                self._tips[subject] = (last.seq or 0, json.loads(last.data or b"{}").get("id"))
+                self._tips[subject] = (last.seq or 0, orjson.loads(last.data or b"{}").get("id"))
             except nats.js.errors.NotFoundError:
                 self._tips[subject] = (0, None)
         return self._tips[subject]
 
     async def _publish(self, event: PodIsolation) -> None:
-        """Publish unless the subject already ends with this event; fenced on the subject's last sequence."""
+        """Publish unless the subject already ends with this event; fenced on the subject's last sequence.
+
+        A subject this leader has not looked at yet is first tried as empty (a new pod's, the common
+        case: one round trip saved); the server refuses that when it is not, and then it is read.
+        """
         subject, event_id = event.subject(), event.dedup_id()
-        seq, last_id = await self._tip(subject)
-        if last_id == event_id:
+        known = self._tips.get(subject)
+        if known is not None and known[1] == event_id:
             return  # a previous holder (or our own lost ack) already stored it
         self.lease.check()
         try:
-            ack = await self.runtime.publish(event, expected_last_subject_seq=seq)
+            ack = await self.runtime.publish(event, expected_last_subject_seq=known[0] if known else 0)
         except FencedError:
             # Someone else wrote this pod's subject since we looked: only fine if it is this very event.
             self._tips.pop(subject, None)
-            if (await self._tip(subject))[1] == event_id:
+            seq, last_id = await self._tip(subject)
+            if last_id == event_id:
                 return
-            raise LeaseLostError(f"{subject} was written by another watcher; resynchronising from KV") from None
+            if known is not None:
+                raise LeaseLostError(f"{subject} was written by another watcher; resynchronising from KV") from None
+            self.lease.check()
+            try:
+                ack = await self.runtime.publish(event, expected_last_subject_seq=seq)
+            except FencedError:
+                self._tips.pop(subject, None)
+                raise LeaseLostError(f"{subject} was written by another watcher; resynchronising from KV") from None
         if ack.duplicate:
             self._tips.pop(subject, None)  # the sequence is the original's, not necessarily the tip
         else:
             self._tips[subject] = (ack.seq, event_id)
-        self.metrics.published.labels(event.state).inc()
+        self.metrics.emitted(event.state)
 
     async def _put_record(self, record: PodRecord) -> None:
         self.lease.check()
@@ -410,18 +482,45 @@ class PodWatcher:
         self.records.pop(record.uid, None)
         self.metrics.tracked.set(len(self.records))
 
-    async def _save_resume(self, force: bool = False) -> None:
+    # --- the resume point ---------------------------------------------------------------
+
+    async def _saver(self) -> None:
+        """Save the resume point after every `resume_save_every` handled changes or `resume_save_interval_s`."""
+        s = self.settings
+        while True:
+            await asyncio.sleep(min(s.resume_save_interval_s, 0.05))
+            self.resource_version = self._progress.handled or self.resource_version
+            self.metrics.in_flight.set(len(self._progress))
+            if self._progress.advanced >= s.resume_save_every or time.monotonic() - self._saved_at >= s.resume_save_interval_s:
+                await self._retrying("bus", self._save_resume)
+
+    async def _save_resume(self, force: bool = False, locked: bool = False) -> None:
+        self.resource_version = self._progress.handled or self.resource_version
         if not self._loaded or self.resource_version is None or self.resource_version == self._saved_version:
             return
-        due = self._unsaved >= self.settings.resume_save_every or time.monotonic() - self._saved_at >= self.settings.resume_save_interval_s
+        due = self._progress.advanced >= self.settings.resume_save_every or time.monotonic() - self._saved_at >= self.settings.resume_save_interval_s
         if not (force or due):
             return
-        self.lease.check()
-        await self.runtime.kv(self.settings.resume_bucket).put(self._resume_key, self.resource_version.encode())
-        self._saved_version, self._unsaved, self._saved_at = self.resource_version, 0, time.monotonic()
-        # No replay can start before the saved version any more: closed stories older than it can go.
-        for record in [r for r in self.records.values() if _closed(r) and _not_after(r.resource_version, self._saved_version)]:
-            await self._drop_record(record)
+        async with contextlib.nullcontext() if locked else self._state:
+            version = self.resource_version
+            self.lease.check()
+            await self.runtime.kv(self.settings.resume_bucket).put(self._resume_key, version.encode())
+            self._saved_version, self._saved_at = version, time.monotonic()
+            self._progress.advanced = 0
+            await self._drop_tombstones(version)
+
+    async def _drop_tombstones(self, saved: str) -> None:
+        """No replay can start before the saved version any more: closed stories older than it can go."""
+        try:
+            limit = int(saved)
+        except ValueError:
+            return  # opaque versions: kept until a relist finds the pods gone
+        due = []
+        while self._tombstones and self._tombstones[0][0] <= limit:
+            due.append(heapq.heappop(self._tombstones)[1])
+        records = [self.records[uid] for uid in due if uid in self.records and _closed(self.records[uid])]
+        for chunk in range(0, len(records), 256):
+            await asyncio.gather(*(self._drop_record(r) for r in records[chunk:chunk + 256]))
 
     async def _load_state(self) -> None:
         """Read the resume version and every pod record of this scope back from KV."""
@@ -430,6 +529,7 @@ class PodWatcher:
             self.resource_version = self._saved_version = entry.value.decode() if entry.value else None
         except nats.js.errors.KeyNotFoundError:
             self.resource_version = None
+        self._read_version = self.resource_version
         watcher = await self.runtime.kv(self.settings.state_bucket).watch(f"{self.settings.scope}.>", ignore_deletes=True)
         try:
             while True:
@@ -440,6 +540,9 @@ class PodWatcher:
                     record = PodRecord.model_validate_json(entry.value)
                     self.records[record.uid] = record
                     self._revisions[record.uid] = entry.revision or 0
+                    if _closed(record):
+                        with contextlib.suppress(ValueError):
+                            heapq.heappush(self._tombstones, (int(record.resource_version), record.uid))
                 if entry.delta == 0:
                     break
         finally:
@@ -448,7 +551,7 @@ class PodWatcher:
         log.info("watcher state loaded", extra={"scope": self.settings.scope, "resume": self.resource_version, "tracked": len(self.records)})
 
     async def _retrying(self, cause: str, action: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
-        """Run a bus action until it succeeds. Meanwhile the watch is not read: that is the backpressure."""
+        """Run a bus action until it succeeds. Meanwhile its lane waits, and with the lanes full the watch is not read."""
         delay = self.settings.backoff_base_s
         while True:
             try:
@@ -464,6 +567,23 @@ class PodWatcher:
                 delay = min(delay * 2, self.settings.backoff_max_s)
 
 
+def _unwrapped(error: BaseException | Any) -> BaseException | Any:
+    """The one exception that ended a term, out of the TaskGroup's ExceptionGroup: a bug first, then a lost lease."""
+    if not isinstance(error, BaseExceptionGroup):
+        return error
+    leaves = _leaves(error)
+    bugs = [e for e in leaves if not isinstance(e, (LeaseLostError, _Stopping, asyncio.CancelledError))]
+    lost = [e for e in leaves if isinstance(e, LeaseLostError)]
+    return (bugs or lost or leaves)[0]
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:  # type: ignore[type-arg]
+    found: list[BaseException] = []
+    for error in group.exceptions:
+        found += _leaves(error) if isinstance(error, BaseExceptionGroup) else [error]
+    return found
+
+
 def _closed(record: PodRecord) -> bool:
     """A tombstone: the pod's `deleted` event is out; kept until no replay can reach back before it."""
     return "deleted" in record.emitted and not record.pending
@@ -473,18 +593,3 @@ def _tombstone(record: PodRecord) -> PodRecord:
     deleted = [e for e in record.pending if e.state == "deleted"]
     version = deleted[-1].resource_version if deleted else record.resource_version
     return record.model_copy(update={"pending": [], "emitted": [*record.emitted, "deleted"], "resource_version": version})
-
-
-def _not_after(version: str, saved: str) -> bool:
-    """resourceVersions are opaque; etcd's are integers, and anything else is simply kept until a relist."""
-    try:
-        return int(version) <= int(saved)
-    except ValueError:
-        return False
-
-
-def _status_message(body: bytes) -> str:
-    try:
-        return str(json.loads(body).get("message", ""))
-    except ValueError:
-        return body[:200].decode(errors="replace")
