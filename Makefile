@@ -39,12 +39,12 @@ contract: $(STAMP)
 contract-tools:
 	$(MAKE) -C docs/events tools
 
-# The real etcd, kube-apiserver and kubectl the tests run against, built from tests/control_plane/go once per
+# The real etcd, kube-apiserver and kubectl the tests run against, built from services/devcluster/go once per
 # version into ~/.cache/kai-isolator/kube (KAI_ISOLATOR_KUBE_CACHE moves it); needs Go and its module proxy.
 control-plane: $(STAMP)
-	$(BIN)/python tests/control_plane/build.py
+	$(BIN)/python -m kai_isolator.services.devcluster.build
 
-run: $(STAMP) hami-core
+run: $(STAMP) hami-core control-plane
 	$(BIN)/kai-isolator dev --demo
 
 bench: $(STAMP) hami-core

@@ -12,8 +12,8 @@ from types import ModuleType
 from typing import Any
 
 # Order of `--help` and of start-up in `kai-isolator dev`: later ones use what earlier ones publish
-# (the sandbox registers the webhook the admission component started).
-SERVICES = ("admission", "sandbox", "certs", "watcher", "nodeagent", "installer", "verifier")
+# (the devcluster registers the webhook the admission component started).
+SERVICES = ("admission", "devcluster", "sandbox", "certs", "watcher", "nodeagent", "installer", "verifier")
 
 
 def _modules(leaf: str) -> list[ModuleType]:

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from control_plane.build import Binaries, BuildError, ensure_all
-from control_plane.cluster import ControlPlane, ControlPlaneError
+from kai_isolator.services.devcluster.build import Binaries, BuildError, ensure_all
+from kai_isolator.services.devcluster.plane import ControlPlane, ControlPlaneError
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "deploy" / "kustomize" / "base"

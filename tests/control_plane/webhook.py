@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from control_plane.cluster import ApiCallError, ControlPlane, ControlPlaneError, free_port
+from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane, ControlPlaneError, free_port
 from control_plane.fixtures import NAMESPACE
 
 SERVICE = "kai-resource-isolator-webhook"

@@ -1,4 +1,4 @@
-"""The whole isolation chain in one process: sandbox API, webhook, watcher, verifier, a node agent the
+"""The whole isolation chain in one process: the local control plane (real kube-apiserver), webhook, watcher, verifier, a node agent the
 test can stop and start, and the demo kubelet running containers as real processes."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from kai_isolator.services.demo.scenario import HAMI_BUILD, BusLog, Demo, kubern
 from kai_isolator.services.dev import DevContext
 from kai_isolator.services.nodeagent.agent import NodeAgent
 from kai_isolator.services.nodeagent.settings import NodeAgentSettings
-from kai_isolator.services.sandbox import dev as sandbox_dev
+from kai_isolator.services.devcluster import dev as devcluster_dev
 from kai_isolator.services.verifier import dev as verifier_dev
 from kai_isolator.services.watcher import dev as watcher_dev
 from kai_isolator.shared.embedded_nats import EmbeddedNats
@@ -51,7 +51,7 @@ async def chain(nats_server: EmbeddedNats, tmp_path: Path) -> AsyncIterator[Chai
     host_root.mkdir()
     ctx.values.update(host_root=host_root, node_name=NODE)
     async with contextlib.AsyncExitStack() as stack:
-        for component in (admission_dev.component, sandbox_dev.component, watcher_dev.component, verifier_dev.component):
+        for component in (admission_dev.component, devcluster_dev.component, watcher_dev.component, verifier_dev.component):
             await stack.enter_async_context(component(ctx))
         agent_settings = NodeAgentSettings(node_name=NODE, host_root=host_root, library=[HAMI_BUILD / "libvgpu.so"], status_interval_s=60,
                                            usage_interval_s=60, kubeconfig=ctx.values["kubeconfig"])

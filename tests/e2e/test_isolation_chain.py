@@ -1,4 +1,4 @@
-"""From pod CREATE to verdict, on the sandbox with real NATS and real processes: each way isolation can fail is caught."""
+"""From pod CREATE to verdict, on the real kube-apiserver with real NATS and real processes: each way isolation can fail is caught."""
 
 from __future__ import annotations
 
@@ -149,12 +149,25 @@ def test_make_run_shows_the_whole_flow_and_leaves_nothing_running() -> None:
     assert "isolator status -A: exit code 3" in status and "isolator nodes: exit code 0" in status
     after = set(_pids_of("cuprobe")) | set(_pids_of("nats-server"))
     assert after <= before
+    assert not _dev_stack_processes(), "etcd or kube-apiserver of the dev stack outlived `make run`"
 
 
 def _pids_of(name: str) -> list[int]:
     """This checkout's processes of that name (other checkouts on the machine run their own)."""
     found = subprocess.run(["pgrep", "-x", name], capture_output=True, text=True)
     return [int(p) for p in found.stdout.split() if _runs_from_repo(int(p))]
+
+
+def _dev_stack_processes() -> list[int]:
+    """Processes whose command line names a `kai-isolator dev` work dir (its etcd and kube-apiserver do)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and b"kai-isolator-dev-" in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
 
 
 def _runs_from_repo(pid: int) -> bool:

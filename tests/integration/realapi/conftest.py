@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from control_plane.cluster import ControlPlane
+from kai_isolator.services.devcluster.plane import ControlPlane
 from control_plane.fixtures import NAMESPACE
 from control_plane.node import GpuNode
 from kai_isolator.services.watcher.command import running

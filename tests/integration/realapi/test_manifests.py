@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from control_plane.cluster import ApiCallError, ControlPlane
+from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane
 from control_plane.fixtures import BASE, NAMESPACE, REPO, make_namespace
 
 sys.path.insert(0, str(REPO / "tests" / "deploy"))  # importlib mode: the deploy checks' tool helpers

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kubernetes_asyncio import config
 
-from control_plane.cluster import ControlPlane
+from kai_isolator.services.devcluster.plane import ControlPlane
 from control_plane.fixtures import NAMESPACE, make_namespace
 from control_plane.node import NO_WEBHOOK, Cluster, GpuNode, gpu_pod
 from kai_isolator.services.nodeagent.grants import GrantKeeper, grant_path, read_grant

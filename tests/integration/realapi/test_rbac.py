@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from control_plane.cluster import ControlPlane
+from kai_isolator.services.devcluster.plane import ControlPlane
 from control_plane.fixtures import NAMESPACE, make_namespace
 
 Access = tuple[str, str, str, str]  # (apiGroup, resource[/subresource], verb, resourceName or "")

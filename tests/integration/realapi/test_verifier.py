@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 
-from control_plane.cluster import ControlPlane
+from kai_isolator.services.devcluster.plane import ControlPlane
 from control_plane.fixtures import NAMESPACE, make_namespace
 from control_plane.node import NO_WEBHOOK, Cluster, GpuNode, gpu_pod
 from kai_isolator.services.verifier.kube import PodNotifier

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-from control_plane.cluster import ControlPlane
+from kai_isolator.services.devcluster.plane import ControlPlane
 from control_plane.fixtures import make_namespace
 from control_plane.node import NO_WEBHOOK, Cluster, GpuNode, gpu_pod
 from support import eventually

@@ -1,7 +1,7 @@
-"""Builds the tests' real control plane (etcd, kube-apiserver, kubectl) from the pinned Go modules in `go/`, once.
+"""Builds the local control plane (etcd, kube-apiserver, kubectl) from the pinned Go modules in `go/`, once.
 
 The binaries land in a cache outside the repo (`~/.cache/kai-isolator/kube/<component>-<version>-<digest>/`),
-keyed by the module files, so a second run, or another checkout, reuses them. `python tests/control_plane/build.py`
+keyed by the module files, so a second run, or another checkout, reuses them. `python -m kai_isolator.services.devcluster.build`
 builds what is missing and prints the paths; `make test` runs it first.
 """
 
@@ -91,7 +91,7 @@ def _go() -> str:
     # Go's own installer puts it in /usr/local/go, which a non-login shell's PATH may lack.
     go = shutil.which("go") or shutil.which("go", path="/usr/local/go/bin")
     if go is None:
-        raise BuildError("the test control plane is built from Go modules, and no `go` is on PATH: install Go >= 1.26")
+        raise BuildError("the local control plane is built from Go modules, and no `go` is on PATH: install Go >= 1.26")
     return go
 
 

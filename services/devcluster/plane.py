@@ -1,4 +1,4 @@
-"""A real etcd + kube-apiserver on loopback for the tests: generated PKI, RBAC on, kubeconfigs for an admin and any ServiceAccount.
+"""A real etcd + kube-apiserver on loopback: generated PKI, RBAC on, kubeconfigs for an admin and any ServiceAccount.
 
 `ControlPlane(binaries, workdir).start()` is ready in seconds from the build cache; `stop()` leaves nothing running.
 `restart_apiserver()` and `compact_etcd()` are the faults the watcher tests need.
@@ -19,12 +19,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import trustme
-import yaml
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from control_plane.build import Binaries
+from kai_isolator.shared.pki import CertificateAuthority, private_key_pem, public_key_pem
+
+from .build import Binaries
 
 SERVICE_CIDR = "10.0.0.0/24"
 ISSUER = "https://kubernetes.default.svc.cluster.local"
@@ -86,40 +85,37 @@ class ApiClient:
 class ControlPlane:
     """etcd and kube-apiserver as child processes in their own sessions (so stop() kills whatever they started)."""
 
-    def __init__(self, binaries: Binaries, workdir: Path) -> None:
+    def __init__(self, binaries: Binaries, workdir: Path, *, bind_address: str = "127.0.0.1", port: int = 0,
+                 hosts: tuple[str, ...] = ()) -> None:
         self.binaries = binaries
         self.workdir = Path(workdir)
         self.etcd_port = free_port()
         self.etcd_peer_port = free_port()
-        self.port = free_port()
+        self.bind_address = bind_address
+        self.port = port or free_port()
+        self.hosts = hosts  # names besides loopback the serving certificate must carry (a compose service name)
         self.url = f"https://127.0.0.1:{self.port}"
         self.etcd_url = f"http://127.0.0.1:{self.etcd_port}"
         self._etcd: subprocess.Popen[bytes] | None = None
         self._apiserver: subprocess.Popen[bytes] | None = None
         self.startup_s: dict[str, float] = {}
         self._write_pki()
-        self.admin_kubeconfig = self._write_kubeconfig("admin", {"client-certificate-data": self._b64(self.workdir / "admin.crt"),
-                                                                "client-key-data": self._b64(self.workdir / "admin.key")})
+        self.admin_kubeconfig = self._write_kubeconfig("admin", self.admin_user())
 
     # --- PKI and kubeconfigs -----------------------------------------------------------
 
     def _write_pki(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        ca = trustme.CA(organization_name="kai-isolator test control plane")
-        self.ca_pem = ca.cert_pem.bytes()
-        ca.cert_pem.write_to_path(str(self.workdir / "ca.crt"))
-        serving = ca.issue_cert("127.0.0.1", "localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc", "10.0.0.1")
-        serving.cert_chain_pems[0].write_to_path(str(self.workdir / "apiserver.crt"))
-        serving.private_key_pem.write_to_path(str(self.workdir / "apiserver.key"))
+        ca = CertificateAuthority("kai-isolator local control plane")
+        self.ca_pem = ca.cert_pem
+        (self.workdir / "ca.crt").write_bytes(ca.cert_pem)
+        ca.issue_server(["127.0.0.1", "localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc", "10.0.0.1", *self.hosts]).write(
+            self.workdir / "apiserver.crt", self.workdir / "apiserver.key")
         # system:masters is the group the API server's bootstrap RBAC binds to cluster-admin.
-        admin = ca.issue_cert("admin", common_name="kai-isolator-test-admin", organization_name="system:masters")
-        admin.cert_chain_pems[0].write_to_path(str(self.workdir / "admin.crt"))
-        admin.private_key_pem.write_to_path(str(self.workdir / "admin.key"))
+        ca.issue_client("kai-isolator-admin", "system:masters").write(self.workdir / "admin.crt", self.workdir / "admin.key")
         signing = ec.generate_private_key(ec.SECP256R1())
-        (self.workdir / "sa.key").write_bytes(signing.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                                    serialization.NoEncryption()))
-        (self.workdir / "sa.pub").write_bytes(signing.public_key().public_bytes(serialization.Encoding.PEM,
-                                                                                serialization.PublicFormat.SubjectPublicKeyInfo))
+        (self.workdir / "sa.key").write_bytes(private_key_pem(signing))
+        (self.workdir / "sa.pub").write_bytes(public_key_pem(signing))
         self._ca = ca
         self.admin = ApiClient(self.url, self.workdir / "ca.crt", self.workdir / "admin.crt", self.workdir / "admin.key")
 
@@ -128,17 +124,26 @@ class ControlPlane:
         return base64.b64encode(path.read_bytes()).decode()
 
     def _write_kubeconfig(self, name: str, user: dict[str, str], namespace: str = "default") -> Path:
+        return self.write_kubeconfig(self.workdir / "kubeconfigs" / f"{name}.yaml", name, user, namespace)
+
+    def write_kubeconfig(self, path: Path, name: str, user: dict[str, str], namespace: str = "default", server: str | None = None) -> Path:
+        """A kubeconfig for `user` at `path` (0600, written whole: a reader never sees half a file)."""
         config = {
             "apiVersion": "v1", "kind": "Config", "current-context": name, "preferences": {},
-            "clusters": [{"name": "test", "cluster": {"server": self.url, "certificate-authority-data": base64.b64encode(self.ca_pem).decode()}}],
+            "clusters": [{"name": "local", "cluster": {"server": server or self.url,
+                                                       "certificate-authority-data": base64.b64encode(self.ca_pem).decode()}}],
             "users": [{"name": name, "user": user}],
-            "contexts": [{"name": name, "context": {"cluster": "test", "user": name, "namespace": namespace}}],
+            "contexts": [{"name": name, "context": {"cluster": "local", "user": name, "namespace": namespace}}],
         }
-        path = self.workdir / "kubeconfigs" / f"{name}.yaml"
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(yaml.safe_dump(config))
-        path.chmod(0o600)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(config, indent=2) + "\n")  # JSON is YAML: no YAML library needed
+        partial.chmod(0o600)
+        partial.replace(path)
         return path
+
+    def admin_user(self) -> dict[str, str]:
+        return {"client-certificate-data": self._b64(self.workdir / "admin.crt"), "client-key-data": self._b64(self.workdir / "admin.key")}
 
     def service_account_token(self, namespace: str, name: str, expiration_s: int = 3600) -> str:
         """A token from the TokenRequest API, as the kubelet gets one for a pod running as the ServiceAccount."""
@@ -160,11 +165,12 @@ class ControlPlane:
 
     def node_client(self, node: str) -> ApiClient:
         """A client that is the node's kubelet to the API server (system:node:<node>, group system:nodes): the Node authorizer's user."""
-        leaf = self._ca.issue_cert(node, common_name=f"system:node:{node}", organization_name="system:nodes")
-        cert, key = self.workdir / f"node-{node}.crt", self.workdir / f"node-{node}.key"
-        leaf.cert_chain_pems[0].write_to_path(str(cert))
-        leaf.private_key_pem.write_to_path(str(key))
-        return ApiClient(self.url, self.workdir / "ca.crt", cert, key)
+        return ApiClient(self.url, self.workdir / "ca.crt", *self.node_credentials(node))
+
+    def node_credentials(self, node: str) -> tuple[Path, Path]:
+        """A client certificate and key for the node's kubelet (system:node:<node>, group system:nodes)."""
+        return self._ca.issue_client(f"system:node:{node}", "system:nodes").write(
+            self.workdir / f"node-{node}.crt", self.workdir / f"node-{node}.key")
 
     def kubectl(self, *args: str, kubeconfig: Path | None = None, input_text: str | None = None, check: bool = True,
                 timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
@@ -219,7 +225,7 @@ class ControlPlane:
         return [
             str(self.binaries.kube_apiserver),
             f"--etcd-servers={self.etcd_url}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self.port}",
+            f"--bind-address={self.bind_address}", "--advertise-address=127.0.0.1", f"--secure-port={self.port}",
             f"--tls-cert-file={self.workdir / 'apiserver.crt'}", f"--tls-private-key-file={self.workdir / 'apiserver.key'}",
             f"--client-ca-file={self.workdir / 'ca.crt'}",
             f"--service-account-issuer={ISSUER}",
