@@ -52,13 +52,16 @@ class DevCluster:
     """Start with `async with DevCluster(...)`; `kubeconfig` is the admin's; `create`/`get`/`patch`/`delete` are REST calls."""
 
     def __init__(self, *, workdir: Path | None = None, nodes: dict[str, int] | None = None, step_s: float = 0.2,
-                 listen: str = "127.0.0.1:0", server_name: str | None = None, build_log: TextIO = sys.stderr) -> None:
+                 listen: str = "127.0.0.1:0", server_name: str | None = None, build_log: TextIO = sys.stderr,
+                 plane: ControlPlane | None = None) -> None:
+        """`plane`: an already running control plane to use (tests share one per session); stop() then empties it instead."""
         self.nodes = {"gpu-node-1": 15360} if nodes is None else nodes
         self.step_s = step_s
         self._listen, self._server_name, self._build_log = listen, server_name, build_log
         self._own_workdir = workdir is None
         self.workdir = Path(tempfile.mkdtemp(prefix="kai-isolator-devcluster-")) if workdir is None else Path(workdir)
-        self.plane: ControlPlane | None = None
+        self.plane: ControlPlane | None = plane
+        self._shared_plane = plane is not None
         self.api: AsyncApi | None = None
         self.kubelets: dict[str, SimulatedKubelet] = {}
         self.kai_admission = KaiAdmission(self.workdir / "kai")
@@ -69,17 +72,12 @@ class DevCluster:
 
     async def start(self) -> DevCluster:
         started = time.monotonic()
+        if self.plane is None:
+            self.plane = await self._new_plane()
         try:
-            binaries = await asyncio.to_thread(ensure_all, self._build_log)
-        except BuildError as error:
-            raise ConfigError(f"the local control plane could not be built: {error}") from None
-        self.startup_s["build cache"] = time.monotonic() - started
-        host, port = split_host_port(self._listen)
-        hosts = (self._server_name,) if self._server_name else ()
-        self.plane = ControlPlane(binaries, self.workdir / "plane", bind_address=host, port=port, hosts=hosts)
-        try:
-            await asyncio.to_thread(self.plane.start)
-            self.startup_s.update(self.plane.startup_s)
+            if not self._shared_plane:
+                await asyncio.to_thread(self.plane.start)
+                self.startup_s.update(self.plane.startup_s)
             self.api = AsyncApi(self.plane.url, self.plane.workdir / "ca.crt", self.plane.workdir / "admin.crt", self.plane.workdir / "admin.key")
             await self.ensure_namespace("default")
             await self.kai_admission.start()
@@ -94,6 +92,17 @@ class DevCluster:
         self.startup_s["total"] = time.monotonic() - started
         log.info("local control plane ready", extra={"url": self.plane.url, "seconds": round(self.startup_s["total"], 2)})
         return self
+
+    async def _new_plane(self) -> ControlPlane:
+        started = time.monotonic()
+        try:
+            binaries = await asyncio.to_thread(ensure_all, self._build_log)
+        except BuildError as error:
+            raise ConfigError(f"the local control plane could not be built: {error}") from None
+        self.startup_s["build cache"] = time.monotonic() - started
+        host, port = split_host_port(self._listen)
+        hosts = (self._server_name,) if self._server_name else ()
+        return ControlPlane(binaries, self.workdir / "plane", bind_address=host, port=port, hosts=hosts)
 
     async def add_node(self, name: str, gpu_memory_mib: int = 15360) -> SimulatedKubelet:
         """Register one more simulated GPU node, with its kubelet's own credentials."""
@@ -112,12 +121,25 @@ class DevCluster:
             await kubelet.stop()
             await kubelet.api.close()
         await self.kai_admission.stop()
+        if self._shared_plane and self.api is not None:
+            await self._empty()
         if self.api is not None:
             await self.api.close()
-        if self.plane is not None:
+        if self.plane is not None and not self._shared_plane:
             await asyncio.to_thread(self.plane.stop)
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+    async def _empty(self) -> None:
+        """Leave a shared control plane as the next user expects it: no pods, nodes, webhooks or namespaced leftovers."""
+        now = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0}
+        for namespace in await self.list("namespaces"):
+            for plural in ("pods", "configmaps", "events"):
+                with contextlib.suppress(ApiCallError):
+                    await self.request("DELETE", resource_path(plural, namespace["metadata"]["name"]), now)
+        for plural in ("mutatingwebhookconfigurations", "nodes"):
+            with contextlib.suppress(ApiCallError):
+                await self.request("DELETE", resource_path(plural), now)
 
     async def __aenter__(self) -> DevCluster:
         return await self.start()

@@ -1,6 +1,8 @@
-"""pytest fixtures on the real control plane: one etcd + kube-apiserver per session, deploy/ applied, per-test namespaces.
+"""pytest fixtures on the real control plane: etcd + kube-apiserver started once per session, from the build cache.
 
-Registered from tests/conftest.py; nothing starts unless a test asks for `control_plane`.
+`control_plane` has deploy/ applied (`deployed`) and per-test namespaces: the manifest and RBAC suites. `dev_cluster`
+is a second plane with KAI and GPU nodes simulated through its API, emptied after every test: what the
+services' integration tests run on. Registered from tests/conftest.py; nothing starts unless a test asks.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import contextlib
 import itertools
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import pytest
 import yaml
 
 from kai_isolator.services.devcluster.build import Binaries, BuildError, ensure_all
+from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.services.devcluster.plane import ControlPlane, ControlPlaneError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +33,7 @@ _built: list[Binaries | BuildError] = []
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """Build what the cache lacks before any test runs: outside every test's timeout, its progress on the terminal."""
-    if not any("control_plane" in getattr(item, "fixturenames", ()) for item in items):
+    if not any({"control_plane", "dev_plane"} & set(getattr(item, "fixturenames", ())) for item in items):
         return
     capture = config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
@@ -40,13 +43,11 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             _built.append(error)  # the tests that need it fail with this; the rest of the suite still runs
 
 
-@pytest.fixture(scope="session")
-def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    """etcd + kube-apiserver (Node,RBAC; default admission plugins), from the build cache."""
+def _session_plane(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[ControlPlane]:
     binaries = _built[0] if _built else ensure_all(sys.stderr)
     if isinstance(binaries, BuildError):
         raise ControlPlaneError(f"the control plane could not be built: {binaries}")
-    plane = ControlPlane(binaries, tmp_path_factory.mktemp("control-plane"))
+    plane = ControlPlane(binaries, tmp_path_factory.mktemp(name))
     atexit.register(plane.stop)  # also when the session ends without teardown (an interrupt during setup)
     started = time.monotonic()
     plane.start()
@@ -56,6 +57,32 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
         yield plane
     finally:
         plane.stop()
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """etcd + kube-apiserver (Node,RBAC; default admission plugins), from the build cache."""
+    yield from _session_plane(tmp_path_factory, "control-plane")
+
+
+@pytest.fixture(scope="session")
+def dev_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """The plane under `dev_cluster`: apart from `control_plane`, whose deploy/ webhook would judge every pod."""
+    yield from _session_plane(tmp_path_factory, "dev-plane")
+
+
+@pytest.fixture
+def dev_cluster_options() -> dict[str, Any]:
+    """Override in a test module to change the simulated nodes or their pace."""
+    return {"nodes": {"gpu-node-1": 15360}, "step_s": 0.02}
+
+
+@pytest.fixture
+async def dev_cluster(dev_plane: ControlPlane, dev_cluster_options: dict[str, Any], tmp_path: Path) -> AsyncIterator[DevCluster]:
+    """The real API server with KAI's admission, scheduler and the GPU nodes' kubelets simulated; emptied afterwards."""
+    options = {**dev_cluster_options, "nodes": dict(dev_cluster_options.get("nodes", {"gpu-node-1": 15360}))}
+    async with DevCluster(plane=dev_plane, workdir=tmp_path / "devcluster", **options) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")
