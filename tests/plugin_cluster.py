@@ -1,9 +1,6 @@
 """For `kubectl isolator` tests: a Kubernetes API reached only through a kubeconfig, objects written the
 way our services write them (the verifier's own condition and node-view writers), and the plugin run as
-the installed console script.
-
-`cluster` is the one fixture to change when these tests move to a real kube-apiserver (issue 14): every
-test talks to the API through `cluster.kubeconfig`, never through the sandbox's in-process methods.
+the installed console script. The API is the real kube-apiserver (`dev_cluster`).
 """
 
 from __future__ import annotations
@@ -56,6 +53,8 @@ class Cluster:
                 "spec": spec}
         created = await self.core.create_namespaced_pod(namespace, body, _preload_content=False)
         pod: Obj = await created.json()
+        if created.status != 201:
+            raise AssertionError(f"creating pod {namespace}/{name}: HTTP {created.status}: {pod.get('message')}")
         if node and limit:
             await self._binder_configmap(pod, limit)
         if running:
@@ -88,7 +87,13 @@ class Cluster:
         await self.core.patch_node_status(name, {"status": {"capacity": capacity, "allocatable": capacity}}, _preload_content=False)
 
     async def namespace(self, name: str) -> None:
-        await self.core.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}, _preload_content=False)
+        """A namespace and its `default` ServiceAccount (no controller-manager creates it); kept from an earlier test is fine."""
+        for create, body in ((lambda b: self.core.create_namespace(b, _preload_content=False), {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}),
+                             (lambda b: self.core.create_namespaced_service_account(name, b, _preload_content=False),
+                              {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}})):
+            response = await create(body)
+            if response.status not in (201, 409):
+                raise AssertionError(f"creating {body['kind']} {name}: HTTP {response.status}: {await response.text()}")
 
     async def plugin(self, *args: str, kubeconfig: Path | None = None, env: dict[str, str] | None = None) -> Result:
         """The installed console script, as `kubectl isolator` runs it."""

@@ -170,7 +170,7 @@ async def test_nodes_show_versions_agent_and_over_commitment(cluster: Cluster) -
     assert failing.code == 3 and failing.json()["items"][0]["self_check"] == "failed"
 
 
-async def test_bad_input_is_a_clear_error_never_a_traceback(cluster: Cluster, tmp_path: Path, forbidding_proxy: Path) -> None:
+async def test_bad_input_is_a_clear_error_never_a_traceback(cluster: Cluster, tmp_path: Path, tenant_kubeconfig: Path) -> None:
     missing = await cluster.plugin("describe", "no-such-pod")
     assert missing.code == 1 and missing.err.strip() == 'Error from server (NotFound): pods "no-such-pod" not found'
     no_file = await cluster.plugin("status", kubeconfig=tmp_path / "absent")
@@ -188,13 +188,13 @@ async def test_bad_input_is_a_clear_error_never_a_traceback(cluster: Cluster, tm
 
     # A user bound to namespaces other than `locked`.
     await cluster.pod("mine")
-    locked = await cluster.plugin("status", "-n", "locked", kubeconfig=forbidding_proxy)
+    locked = await cluster.plugin("status", "-n", "locked", kubeconfig=tenant_kubeconfig)
     assert locked.code == 1 and "Traceback" not in locked.err
-    assert locked.err.strip() == 'Error from server (Forbidden): pods is forbidden: User "tenant" cannot list resource "pods" in API group "" in the namespace "locked"'
-    everywhere = await cluster.plugin("status", "-A", kubeconfig=forbidding_proxy)
+    assert locked.err.strip() == 'Error from server (Forbidden): pods is forbidden: User "system:serviceaccount:default:tenant" cannot list resource "pods" in API group "" in the namespace "locked"'
+    everywhere = await cluster.plugin("status", "-A", kubeconfig=tenant_kubeconfig)
     assert everywhere.code == 1 and "at the cluster scope" in everywhere.err
     # Its own namespace works, without the Node views it may not read (said on stderr).
-    own = await cluster.plugin("status", "-n", "default", "-o", "json", kubeconfig=forbidding_proxy)
+    own = await cluster.plugin("status", "-n", "default", "-o", "json", kubeconfig=tenant_kubeconfig)
     assert own.code == 0 and [i["pod"] for i in own.json()["items"]] == ["mine"]
     assert "Warning: grant and usage (the node views) not shown: Error from server (Forbidden)" in own.err
 
