@@ -51,7 +51,7 @@ DevComponent = Callable[[DevContext], AbstractAsyncContextManager[None]]
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     parser = commands.add_parser("dev", help="run the bus and all services locally, printing events", description=__doc__)
-    parser.add_argument("--demo", action="store_true", help="walk through the isolation flow on the sandbox, print the timeline, exit")
+    parser.add_argument("--demo", action="store_true", help="walk through the isolation flow on the local kube-apiserver, print the timeline, exit")
     return parser
 
 

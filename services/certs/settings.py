@@ -22,7 +22,7 @@ class CertsSettings(_Settings):
     hosts: list[str] = Field(default_factory=list, description="extra DNS names or IPs the certificate covers")
     validity_days: int = Field(3650, ge=1, le=36500)
     renew_before_days: int = Field(30, ge=0)
-    out_dir: Path | None = Field(None, description="write ca.crt, tls.crt, tls.key here instead of a Secret (compose, sandbox)")
+    out_dir: Path | None = Field(None, description="write ca.crt, tls.crt, tls.key here instead of a Secret (compose, the local control plane)")
     kubeconfig: Path | None = Field(None, description="kubeconfig file; unset = in-cluster service account")
 
     @model_validator(mode="after")

@@ -37,7 +37,7 @@ CUDA_PROGRAM = HAMI_BUILD / "tests" / "cuprobe"  # a small CUDA driver client, s
 NVIDIA_SMI = HAMI_BUILD / "tests" / "nvsmi"  # queries NVML as nvidia-smi does
 RAW_LOOKUP = HAMI_BUILD / "tests" / "rawelf"  # a tenant's bypass: cuMemAlloc_v2 found by a raw ELF lookup
 NAMESPACE = "default"
-WEBHOOK = "kai-resource-isolator"  # as registered by the sandbox's dev component
+WEBHOOK = "kai-resource-isolator"  # as the local control plane's dev component registers it
 NODE = "gpu-node-1"
 GIB = 1 << 30
 CUDA_ERRORS = {"0": "CUDA_SUCCESS", "2": "CUDA_ERROR_OUT_OF_MEMORY"}
@@ -285,7 +285,7 @@ class Demo:
         """As a kubelet does: the runtime's id of the container in the pod's status (the node agent
         maps a process's kubelet cgroup to the container by it). Returns the pod as it now is."""
         deadline = time.monotonic() + 30
-        while True:  # after the sandbox's node has marked it Running, so its own statuses do not replace ours
+        while True:  # after the simulated kubelet has marked it Running, so its own statuses do not replace ours
             current = await (await self.core.read_namespaced_pod(name, NAMESPACE, _preload_content=False)).json()
             if (current.get("status") or {}).get("phase") == "Running" or time.monotonic() > deadline:
                 break
@@ -355,7 +355,7 @@ async def kubernetes(kubeconfig: Path) -> AsyncIterator[client.ApiClient]:
 
 
 async def run_demo(ctx: DevContext) -> int:
-    print(f"kai-isolator demo: sandbox API, webhook, watcher, node agent, verifier on {ctx.nats_description}", flush=True)
+    print(f"kai-isolator demo: real kube-apiserver (KAI and the kubelet simulated), webhook, watcher, node agent, verifier on {ctx.nats_description}", flush=True)
     async with kubernetes(Path(ctx.values["kubeconfig"])) as api, BusLog(ctx.nats_url) as bus:
         demo = Demo(ctx, api, bus)
         try:

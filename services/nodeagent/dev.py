@@ -28,7 +28,7 @@ async def component(ctx: DevContext) -> AsyncIterator[None]:
     libraries = [LIBRARY] if LIBRARY.is_file() else []
     if not libraries:
         log.warning("hami-core/build/libvgpu.so missing (run make -C hami-core); the agent starts with nothing to install")
-    # The sandbox (started earlier) is this agent's API server: it writes grants for the pods bound to it.
+    # The local control plane (started earlier) is this agent's API server: it writes grants for the pods bound to it.
     # One node-wide fake-driver ledger for every demo container; the agent's enforcer reads it through the
     # fake NVML loaded in this process (the real NVML needs neither).
     ledger = ctx.workdir / "fake-driver.ledger"

@@ -1,4 +1,4 @@
-"""The verifier's `kai-isolator dev` component: verdicts for the sandbox's pods, Events into the sandbox."""
+"""The verifier's `kai-isolator dev` component: verdicts for the local control plane's pods, Events into its API."""
 
 from __future__ import annotations
 

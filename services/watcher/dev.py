@@ -1,4 +1,4 @@
-"""The watcher's `kai-isolator dev` component: watches the sandbox (or any kubeconfig) and publishes pod events."""
+"""The watcher's `kai-isolator dev` component: watches the local control plane (or any kubeconfig) and publishes pod events."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 async def component(ctx: DevContext) -> AsyncIterator[None]:
     kubeconfig = ctx.values.get("kubeconfig")
     if not kubeconfig:
-        raise ConfigError("the watcher's dev component needs a kubeconfig: start the sandbox component first")
+        raise ConfigError("the watcher's dev component needs a kubeconfig: start the devcluster component first")
     settings = WatcherSettings(kubeconfig=kubeconfig)
     async with running(settings, ctx.bus, ctx.nats_url):
         yield
