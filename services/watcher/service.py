@@ -46,6 +46,7 @@ from .story import PodRecord, PodView, advance, deletion, needs_limit, view_of
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 RESUME_KEY_PREFIX = "resume"
+RELIST_KEY_PREFIX = "relisting"
 PODS_PATH = "/api/v1/pods"
 
 
@@ -100,6 +101,8 @@ class PodWatcher:
         self._read_version: str | None = None
         """The last version read from the API: where a re-watch continues while the lanes work on."""
         self._saved_version: str | None = None
+        self._relist_at: str | None = None
+        """The version of a relist a crash interrupted: listed again at exactly that version, then watched from it."""
         self._saved_at = time.monotonic()
         self._limits: dict[str, dict[tuple[str, str], str]] = {}
         """pod uid -> (ConfigMap, key) -> the limit read from it."""
@@ -126,6 +129,10 @@ class PodWatcher:
     @property
     def _resume_key(self) -> str:
         return f"{RESUME_KEY_PREFIX}.{self.settings.scope}"
+
+    @property
+    def _relist_key(self) -> str:
+        return f"{RELIST_KEY_PREFIX}.{self.settings.scope}"
 
     def _record_key(self, uid: str) -> str:
         return f"{self.settings.scope}.{uid}"
@@ -196,7 +203,7 @@ class PodWatcher:
         self._tips.clear()
         self._limits.clear()
         self._tombstones.clear()
-        self.resource_version = self._saved_version = self._read_version = None
+        self.resource_version = self._saved_version = self._read_version = self._relist_at = None
         self._loaded = False
         self.lease.token = None
 
@@ -241,17 +248,18 @@ class PodWatcher:
         return {"fieldSelector": f"spec.nodeName={self.settings.node}"} if self.settings.node else {}
 
     async def _relist(self) -> None:
-        """List every pod, publish what changed against the stored records, and close the stories of pods now gone."""
+        """List every pod, publish what changed against the stored records, and close the stories of pods now gone.
+
+        The list's version is noted in KV first: the lanes finish its items in no particular order, so a
+        crash midway lists that same version again and watches on from it, and a pod deleted meanwhile
+        still gets its whole story from the watch's DELETED.
+        """
         self.metrics.relists.inc()
-        timeout = aiohttp.ClientTimeout(sock_connect=self.settings.connect_timeout_s, total=self.settings.list_timeout_s)
-        try:
-            listing = await self.api.get(PODS_PATH, self._selector(), timeout)
-        except KubeApiError as error:
-            if error.status == 410:
-                raise _Gone from None
-            raise
+        listing = await self._list()
         version = str(listing["metadata"]["resourceVersion"])
         async with self._state:
+            if version != self._relist_at:
+                await self._retrying("bus", self._note_relist, version)
             present = set()
             for pod in listing.get("items") or []:
                 view = view_of(pod)
@@ -265,7 +273,33 @@ class PodWatcher:
             self._read_version = self.resource_version = version
             self._progress.handled = version
             await self._retrying("bus", self._save_resume, force=True, locked=True)
+            await self._retrying("bus", self._note_relist, None)
         log.info("pods listed and reconciled", extra={"resource_version": version, "tracked": len(self.records)})
+
+    async def _list(self) -> dict[str, Any]:
+        timeout = aiohttp.ClientTimeout(sock_connect=self.settings.connect_timeout_s, total=self.settings.list_timeout_s)
+        params = self._selector()
+        if self._relist_at is not None:
+            params |= {"resourceVersion": self._relist_at, "resourceVersionMatch": "Exact"}
+        try:
+            return dict(await self.api.get(PODS_PATH, params, timeout))
+        except KubeApiError as error:
+            if error.status != 410:
+                raise
+            if self._relist_at is None:
+                raise _Gone from None
+        log.info("the interrupted relist's version is compacted away; listing the current state", extra={"resource_version": self._relist_at})
+        self._relist_at = None
+        return await self._list()
+
+    async def _note_relist(self, version: str | None) -> None:
+        self.lease.check()
+        kv = self.runtime.kv(self.settings.resume_bucket)
+        if version is None:
+            await kv.delete(self._relist_key)
+        else:
+            await kv.put(self._relist_key, version.encode())
+        self._relist_at = version
 
     async def _watch(self) -> None:
         s = self.settings
@@ -529,7 +563,12 @@ class PodWatcher:
             self.resource_version = self._saved_version = entry.value.decode() if entry.value else None
         except nats.js.errors.KeyNotFoundError:
             self.resource_version = None
-        self._read_version = self.resource_version
+        try:
+            entry = await self.runtime.kv(self.settings.resume_bucket).get(self._relist_key)
+            self._relist_at = entry.value.decode() if entry.value else None
+        except nats.js.errors.KeyNotFoundError:
+            self._relist_at = None
+        self._read_version = None if self._relist_at else self.resource_version
         watcher = await self.runtime.kv(self.settings.state_bucket).watch(f"{self.settings.scope}.>", ignore_deletes=True)
         try:
             while True:
