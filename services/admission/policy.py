@@ -4,18 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kai_isolator.shared.contract import GRANT_MOUNT_PATH, LIMIT_ENV, SHARED_CACHE_ENV
+from kai_isolator.shared.contract import GRANT_MOUNT_PATH
 
 from .mutation import (
-    PRELOAD_PATH, STATE_MOUNT_PATH, Desired, InjectionConfig, Json, PodView, Target, clean_path, is_within, same,
+    ESCAPE_ENV, GRANT_ENV, PER_DEVICE_LIMIT_PREFIX, PRELOAD_PATH, STATE_MOUNT_PATH, Desired, InjectionConfig, Json,
+    PodView, Target, clean_path, is_within, mount_path, same,
 )
 from .settings import PolicyMode
 
-# Env that turns the library off or loads code ahead of it.
-ESCAPE_ENV = frozenset({"CUDA_DISABLE_CONTROL", "LD_PRELOAD", "LD_AUDIT"})
-# Env that would move the library's limits, devices or accounting if it read them (the grant is what counts).
-GRANT_ENV = frozenset({"CUDA_VISIBLE_DEVICES", SHARED_CACHE_ENV})
-PER_DEVICE_LIMIT_PREFIX = f"{LIMIT_ENV}_"
+__all__ = ["ESCAPE_ENV", "GRANT_ENV", "PER_DEVICE_LIMIT_PREFIX", "Verdict", "findings", "judge"]
 # Seccomp profiles that keep the tenant from making a user namespace (and remounting the preload in it).
 CONFINING_SECCOMP = frozenset({"RuntimeDefault", "Localhost"})
 # Capabilities that let a process remount /etc/ld.so.preload or leave the container's view.
@@ -29,34 +26,34 @@ class Verdict:
     message: str = ""
 
 
+ALLOWED = Verdict(True)
+
+
 def findings(view: PodView, target: Target, desired: Desired, config: InjectionConfig) -> list[str]:
     """Every escape attempt in the pod as it was submitted, one line each."""
     found = _target_findings(target, desired, config)
     found += _seccomp_findings(view, target)
     found += _volume_findings(view.volumes or [], desired, config)
-    found += _foreign_mount_findings(view, target, desired)
+    if view.our_mounts:
+        found += _foreign_mount_findings(view, target, desired)
     return found
 
 
 def _target_findings(target: Target, desired: Desired, config: InjectionConfig) -> list[str]:
     name, container = target.name, target.container
     found: list[str] = []
-    managed = desired.env_by_name()
-    env = container.get("env") or ()
-    watched = ESCAPE_ENV.union(managed, GRANT_ENV)
-    # Most pods set none of these; the set test and the C-level prefix search spare a per-variable
-    # loop over long env lists.
-    if not watched.isdisjoint(target.env_names) or f"\0{PER_DEVICE_LIMIT_PREFIX}" in "\0" + "\0".join(target.env_names):
-        for item in env:
-            var = item["name"]
-            wanted = managed.get(var)
-            if var in ESCAPE_ENV:
-                found.append(f"container {name} sets {var}")
-            elif wanted is not None:
-                if not same(item, wanted):
-                    found.append(f"container {name} sets {var} itself (the webhook owns it)")
-            elif var in GRANT_ENV or (var.startswith(PER_DEVICE_LIMIT_PREFIX) and var[len(PER_DEVICE_LIMIT_PREFIX):].isdigit()):
-                found.append(f"container {name} sets {var}, which would move the limits, devices or accounting the node's grant fixes")
+    managed = desired.env_named
+    env, names = target.env, target.env_names
+    for i in target.env_hits:  # the scan found every name read here; most pods set none of them
+        var = names[i]
+        wanted = managed.get(var)
+        if var in ESCAPE_ENV:
+            found.append(f"container {name} sets {var}")
+        elif wanted is not None:
+            if not same(env[i], wanted):
+                found.append(f"container {name} sets {var} itself (the webhook owns it)")
+        elif var in GRANT_ENV or (var.startswith(PER_DEVICE_LIMIT_PREFIX) and var[len(PER_DEVICE_LIMIT_PREFIX):].isdigit()):
+            found.append(f"container {name} sets {var}, which would move the limits, devices or accounting the node's grant fixes")
     if container.get("envFrom"):
         # The webhook cannot see what a ConfigMap or Secret will hold at start: it may set any of the above.
         found.append(f"container {name} takes env from envFrom sources the webhook cannot check")
@@ -67,9 +64,9 @@ def _target_findings(target: Target, desired: Desired, config: InjectionConfig) 
     added = {str(c).upper().removeprefix("CAP_") for c in added_list} if isinstance(added_list, list) else set()
     for capability in sorted(added & ESCAPE_CAPABILITIES):
         found.append(f"container {name} adds capability {capability}, enough to undo the preload")
-    own = {m["mountPath"]: m for m in desired.mounts}
+    own = desired.mounts_by_path
     for mount in container.get("volumeMounts") or ():
-        path = clean_path(mount.get("mountPath"), "volumeMount")
+        path = mount_path(mount.get("mountPath")) or ""  # checked by read_pod
         if path in own and same(mount, own[path]):
             continue
         if path == PRELOAD_PATH:
@@ -106,7 +103,7 @@ def _volume_findings(volumes: list[Json], desired: Desired, config: InjectionCon
     guarded_dirs = (config.container_vgpu_mount, config.state_dir, config.grant_dir)
     for volume in volumes:
         name = volume["name"]
-        wanted = desired.volume(name)
+        wanted = desired.volumes_by_name.get(name)
         if wanted is not None:
             if not same(volume, wanted):
                 found.append(f"volume {name} is defined by the pod, not by the webhook")
@@ -120,28 +117,23 @@ def _volume_findings(volumes: list[Json], desired: Desired, config: InjectionCon
 
 
 def _foreign_mount_findings(view: PodView, target: Target, desired: Desired) -> list[str]:
-    guarded = {v["name"] for v in desired.volumes}
-    own = {m["mountPath"] for m in desired.mounts}
     found: list[str] = []
-    for field, index, container in view.all_containers():
-        is_target = field == target.field and index == target.index
-        for mount in container.get("volumeMounts") or ():
-            volume = mount.get("name")
-            if volume not in guarded:
-                continue
-            path = clean_path(mount.get("mountPath"), "volumeMount")
-            if is_target and path in own:
-                continue
-            if mount.get("readOnly") is not True:
-                found.append(f"container {container['name']} mounts {volume} writable at {path}")
-            elif volume != desired.volumes[0]["name"]:
-                found.append(f"container {container['name']} mounts {volume} at {path}; only the target's own state and grant directories may be")
+    for field, index, container, _j, mount, path in view.our_mounts:
+        volume = mount["name"]
+        if volume not in desired.volume_names:
+            continue
+        if field == target.field and index == target.index and path in desired.mounts_by_path:
+            continue
+        if mount.get("readOnly") is not True:
+            found.append(f"container {container['name']} mounts {volume} writable at {path}")
+        elif volume != desired.volumes[0]["name"]:
+            found.append(f"container {container['name']} mounts {volume} at {path}; only the target's own state and grant directories may be")
     return found
 
 
 def judge(found: list[str], mode: PolicyMode) -> Verdict:
     if not found or mode == "off":
-        return Verdict(True)
+        return ALLOWED
     if mode == "warn":
         return Verdict(True, tuple(f"kai-resource-isolator: {f}" for f in found))
     return Verdict(False, message="kai-resource-isolator denies this GPU-sharing pod: " + "; ".join(found))

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import base64
+import binascii
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -20,9 +19,8 @@ class BadReview(IsolatorError):
     """The body is not an AdmissionReview we can answer; the caller gets HTTP 400 and this text."""
 
 
-@dataclass(frozen=True, slots=True)
-class AdmissionRequest:
-    """The parts of `request` the webhook uses."""
+class AdmissionRequest(NamedTuple):
+    """The parts of `request` the webhook uses (a tuple: one is made per request)."""
 
     uid: str
     api_version: str
@@ -66,16 +64,9 @@ def parse(raw: bytes) -> AdmissionRequest:
     if not isinstance(namespace, str) or not namespace:
         metadata = obj.get("metadata") if isinstance(obj, dict) else None
         namespace = metadata.get("namespace") if isinstance(metadata, dict) else None
-    return AdmissionRequest(
-        uid=uid,
-        api_version=api_version,
-        kind=kind_name,
-        group=group,
-        operation=str(request.get("operation") or "CREATE"),
-        namespace=namespace if isinstance(namespace, str) else "",
-        object=obj,
-        dry_run=request.get("dryRun") is True,
-    )
+    operation = request.get("operation") or "CREATE"
+    return AdmissionRequest(uid, api_version, kind_name, group, operation if type(operation) is str else str(operation),
+                            namespace if isinstance(namespace, str) else "", obj, request.get("dryRun") is True)
 
 
 def _review(api_version: str, response: dict[str, Any]) -> bytes:
@@ -87,7 +78,7 @@ def allowed(request: AdmissionRequest, patch: Sequence[dict[str, Any]] = (), war
     response: dict[str, Any] = {"uid": request.uid, "allowed": True}
     if patch:
         response["patchType"] = "JSONPatch"
-        response["patch"] = base64.b64encode(orjson.dumps(patch)).decode()
+        response["patch"] = binascii.b2a_base64(orjson.dumps(patch), newline=False).decode("ascii")
     if warnings:
         response["warnings"] = list(warnings)
     return _review(request.api_version, response)

@@ -3,50 +3,24 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from kai_isolator.shared.events import AdmissionOutcome
 
 from . import review
+from .answer import JSON, TEXT, Answer, DecisionRecord, bad_request
 from .mutation import (
-    INJECT_ANNOTATION, InjectionConfig, NoTargetContainer, PodUnreadable, annotations_of, asks_opt_out,
-    desired_for, find_target, is_gpu_sharing, patch_ops, read_pod, readiness_gate_ops,
+    INJECT_ANNOTATION, InjectionConfig, NoTargetContainer, PodUnreadable, Shapes, annotations_of, asks_opt_out,
+    find_target, is_gpu_sharing, plan_ops, read_pod, readiness_gate_ops,
 )
 from .policy import findings, judge
+from .replay import Replays
 from .review import AdmissionRequest, BadReview
 from .settings import AdmissionSettings, PolicyMode
 
+__all__ = ["JSON", "TEXT", "Answer", "DecisionRecord", "Webhook", "bad_request", "pod_name_of"]
+
 log = logging.getLogger(__name__)
-
-JSON = "application/json"
-TEXT = "text/plain"
-
-
-@dataclass(frozen=True, slots=True)
-class DecisionRecord:
-    """What the webhook decided, kept small: the event is built from it off the request path."""
-
-    request_uid: str
-    namespace: str
-    pod_name: str
-    decision: AdmissionOutcome
-    reason: str
-    container: str | None = None
-    findings: tuple[str, ...] = ()
-    patch_operations: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Answer:
-    status: int
-    body: bytes
-    content_type: str
-    record: DecisionRecord | None = None
-
-
-def bad_request(message: str) -> Answer:
-    return Answer(400, f"{message}\n".encode(), TEXT)
 
 
 def pod_name_of(obj: Any) -> str:
@@ -65,6 +39,8 @@ class Webhook:
         self.config = config
         self.mode = mode
         self.readiness_gate = readiness_gate
+        self.shapes = Shapes(config)
+        self.replays = Replays()
 
     @classmethod
     def from_settings(cls, settings: AdmissionSettings, readiness_gate: bool = False) -> Webhook:
@@ -72,71 +48,71 @@ class Webhook:
         return cls(config, settings.policy, readiness_gate)
 
     def handle(self, raw: bytes) -> Answer:
+        fitted = self.replays.match(raw)
+        if fitted is not None and fitted[0].verified:
+            return fitted[0].replay(fitted[1])
         try:
             request = review.parse(raw)
         except BadReview as error:
             return bad_request(str(error))
         try:
-            return self.decide(request)
+            answer = self.decide(request)
         except Exception as error:  # noqa: BLE001 - a webhook bug must still answer, never hang or drop
             log.exception("admission failed", extra={"uid": request.uid, "namespace": request.namespace})
             message = f"kai-resource-isolator webhook error: {type(error).__name__}"
             record = DecisionRecord(request.uid, request.namespace, pod_name_of(request.object), "denied", message)
             return Answer(200, review.errored(request.uid, message, request.api_version), JSON, record)
+        self.replays.learn(raw, request, answer, fitted)
+        return answer
 
     def decide(self, request: AdmissionRequest) -> Answer:
         pod = request.object
-        record = _Recorder(request, pod_name_of(pod))
         if request.kind != "Pod" or request.group:
-            return record.allow(f"not a Pod ({request.group + '/' if request.group else ''}{request.kind or 'unknown kind'})")
+            return _allow(request, f"not a Pod ({request.group + '/' if request.group else ''}{request.kind or 'unknown kind'})")
         if request.operation != "CREATE":
-            return record.allow(f"operation {request.operation} is not mutated")
+            return _allow(request, f"operation {request.operation} is not mutated")
         warnings: list[str] = []
         try:
             annotations = annotations_of(pod)
             if not is_gpu_sharing(annotations):
-                return record.allow("not a GPU-sharing pod (no gpu-fraction or gpu-memory annotation)")
+                return _allow(request, "not a GPU-sharing pod (no gpu-fraction or gpu-memory annotation)")
             if asks_opt_out(annotations):
                 if self.config.allow_pod_opt_out:
-                    return record.allow(f"opted out by annotation {INJECT_ANNOTATION}")
+                    return _allow(request, f"opted out by annotation {INJECT_ANNOTATION}")
                 warnings.append(f"kai-resource-isolator: annotation {INJECT_ANNOTATION} is ignored: pod opt-out is disabled")
             view = read_pod(pod, annotations)
             target = find_target(view)
-            desired = desired_for(target, self.config)
+            desired = self.shapes.desired(target)
             found = findings(view, target, desired, self.config)
-            ops = patch_ops(view, target, self.config, desired)
+            ops = plan_ops(view, target, desired)
             if self.readiness_gate:
                 ops += readiness_gate_ops(view)
         except PodUnreadable as error:
-            return record.deny(400, f"cannot read pod: {error}")
+            return _deny(request, 400, f"cannot read pod: {error}")
         except NoTargetContainer as error:
-            return record.deny(400, str(error))
+            return _deny(request, 400, str(error))
         verdict = judge(found, self.mode)
         if not verdict.allowed:
-            return record.deny(403, verdict.message, container=target.name, found=found)
+            return _deny(request, 403, verdict.message, container=target.name, found=found)
         warnings += verdict.warnings
         decision: AdmissionOutcome = "warned" if verdict.warnings else "injected" if ops else "skipped"
         reason = f"libvgpu injected into {target.field}[{target.index}]" if ops else "already injected"
         if verdict.warnings:
             reason += f"; {len(found)} policy finding(s)"
-        return record.answer(review.allowed(request, ops, warnings), decision, reason, target.name, found, len(ops))
+        return _answer(request, review.allowed(request, ops, warnings), decision, reason, target.name, found, len(ops))
 
 
-class _Recorder:
-    """Builds answers and their decision records for one request."""
+def _answer(request: AdmissionRequest, body: bytes, decision: AdmissionOutcome, reason: str, container: str | None = None,
+            found: list[str] | tuple[str, ...] = (), operations: int = 0) -> Answer:
+    record = DecisionRecord(request.uid, request.namespace, pod_name_of(request.object), decision, reason, container,
+                            tuple(found), operations)
+    return Answer(200, body, JSON, record)
 
-    def __init__(self, request: AdmissionRequest, pod_name: str) -> None:
-        self.request = request
-        self.pod_name = pod_name
 
-    def answer(self, body: bytes, decision: AdmissionOutcome, reason: str, container: str | None = None,
-               found: list[str] | tuple[str, ...] = (), operations: int = 0) -> Answer:
-        r = self.request
-        record = DecisionRecord(r.uid, r.namespace, self.pod_name, decision, reason, container, tuple(found), operations)
-        return Answer(200, body, JSON, record)
+def _allow(request: AdmissionRequest, reason: str) -> Answer:
+    return _answer(request, review.allowed(request), "skipped", reason)
 
-    def allow(self, reason: str) -> Answer:
-        return self.answer(review.allowed(self.request), "skipped", reason)
 
-    def deny(self, code: int, message: str, container: str | None = None, found: list[str] | tuple[str, ...] = ()) -> Answer:
-        return self.answer(review.denied(self.request, code, message), "denied", message, container, found)
+def _deny(request: AdmissionRequest, code: int, message: str, container: str | None = None,
+          found: list[str] | tuple[str, ...] = ()) -> Answer:
+    return _answer(request, review.denied(request, code, message), "denied", message, container, found)

@@ -1,11 +1,13 @@
 """Properties over generated pods: never a 5xx, every patch applies to its pod, the patched pod is a
 valid Kubernetes Pod (strict schema) whose target mounts its grant read-only, mutating it again changes
-nothing, the readiness-gated path adds exactly its one gate, and `enforce` never admits a target without
-a confining seccomp profile."""
+nothing, the readiness-gated path adds exactly its one gate, `enforce` never admits a target without
+a confining seccomp profile, and an answer replayed for a body that differs only in its uid is the
+answer a fresh webhook gives."""
 
 from __future__ import annotations
 
 import base64
+import uuid
 from typing import Any
 
 import jsonpatch
@@ -168,3 +170,12 @@ def test_patches_apply_validate_and_are_idempotent(pod: dict[str, Any], mode: st
     assert gates == (["kai-resource-isolator.io/Isolated"] if gated else []), gates  # the generator sets no gates of its own
     again = respond(webhook, patched)
     assert "patch" not in again, orjson.loads(base64.b64decode(again["patch"]))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pod=pods(), mode=st.sampled_from(["warn", "off", "enforce"]), gated=st.booleans())
+def test_replaying_never_changes_an_answer(pod: dict[str, Any], mode: str, gated: bool) -> None:
+    webhook = Webhook(InjectionConfig(), mode, readiness_gate=gated)  # type: ignore[arg-type]
+    for _ in range(3):  # learned, verified, replayed
+        raw = review(pod).replace(b'"uid":"u"', f'"uid":"{uuid.uuid4()}"'.encode(), 1)
+        assert webhook.handle(raw) == Webhook(InjectionConfig(), mode, readiness_gate=gated).handle(raw)  # type: ignore[arg-type]
