@@ -22,8 +22,11 @@ from kai_isolator.services.admission.server import AdmissionServer
 from kai_isolator.services.admission.settings import AdmissionSettings
 from kai_isolator.services.certs.settings import CertsSettings
 from kai_isolator.services.cli import build_parser
+from kai_isolator.services.devcluster.settings import DevClusterSettings
 from kai_isolator.services.nodeagent.layout import HostLayout
 from kai_isolator.services.nodeagent.settings import NodeAgentSettings
+from kai_isolator.services.verifier.settings import VerifierSettings
+from kai_isolator.services.watcher.settings import WatcherSettings
 from kai_isolator.shared.probes import add_probe_routes
 from kai_isolator.shared.settings import BusSettings, ProbeSettings, load, split_host_port
 
@@ -321,11 +324,22 @@ def test_compose_runs_real_commands_with_real_env() -> None:
     assert manifest["metadata"]["name"] == certs.webhook_config
     url = manifest["webhooks"][0]["clientConfig"]["url"]
     assert url == f"https://webhook:{split_host_port(webhook.listen)[1]}/mutate" and "webhook" in certs.hosts
-    kubeconfig = yaml.safe_load((REPO / "deploy/docker/compose/kubeconfig.yaml").read_text())
-    sandbox_port = parse(services["sandbox"]["command"]).listen.rsplit(":", 1)[1]
-    assert kubeconfig["clusters"][0]["cluster"]["server"] == f"http://sandbox:{sandbox_port}"
+    # The devcluster writes the admin kubeconfig into the `kube` volume, naming itself as the services reach it.
+    devcluster = effective(DevClusterSettings, parse(services["devcluster"]["command"]), {})
+    assert devcluster.server_name == "devcluster" and devcluster.kubeconfig is not None
+    written_in = {v.split(":")[0]: v.split(":")[1] for v in services["devcluster"]["volumes"]}["kube"]
+    assert devcluster.kubeconfig.parent == Path(written_in)
+    for name in ("certs", "watcher", "verifier", "nodeagent"):
+        mounted = {v.split(":")[0]: v.split(":")[1] for v in services[name]["volumes"]}["kube"]
+        read = effective(KUBECONFIG_READERS[name], parse(services[name]["command"]), {}).kubeconfig
+        assert read == Path(mounted) / devcluster.kubeconfig.name, name
+        assert "devcluster" in services[name]["depends_on"], name
     agent = effective(NodeAgentSettings, parse(services["nodeagent"]["command"]), {})
-    assert agent.node_name in [n.partition(":")[0] for n in parse(services["sandbox"]["command"]).gpu_nodes]
+    assert agent.node_name in devcluster.node_specs()
+
+
+KUBECONFIG_READERS: dict[str, type[BaseSettings]] = {"certs": CertsSettings, "watcher": WatcherSettings, "verifier": VerifierSettings,
+                                                    "nodeagent": NodeAgentSettings}
 
 
 def _deployment_replicas(docs: Docs) -> dict[str, int]:

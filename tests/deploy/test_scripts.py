@@ -38,5 +38,7 @@ def test_the_image_build_installs_every_service(tmp_path: Path) -> None:
     missing = [s for s in services if f"kai_isolator/services/{s}/__init__.py" not in names]
     assert not missing, f"not in the wheel (add to [tool.setuptools] packages): {missing}"
     assert "kai_isolator/shared/bus.py" in names
+    # The devcluster image builds kube-apiserver and etcd from the installed copy's pinned modules.
+    assert {"kai_isolator/services/devcluster/go/apiserver/go.sum", "kai_isolator/services/devcluster/go/etcd/main.go"} <= set(names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "kai-isolator = kai_isolator.services.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -165,11 +165,13 @@ def _stages(dockerfile: str) -> list[tuple[str, str]]:
     return [(p.split()[0], p) for p in parts]
 
 
-@pytest.mark.parametrize(("dockerfile", "user"), [("Dockerfile", "65532:65532"), ("Dockerfile.nodeagent", "0:0")])
+@pytest.mark.parametrize(("dockerfile", "user"), [("Dockerfile", "65532:65532"), ("Dockerfile.nodeagent", "0:0"),
+                                                  ("Dockerfile.devcluster", "65532:65532")])
 def test_images_run_kai_isolator_and_keep_build_tools_out(dockerfile: str, user: str) -> None:
     stages = _stages(dockerfile)
     final_image, final = stages[-1]
     assert "cuda" not in final_image and "devel" not in final_image, "CUDA devel image in the final stage"
+    assert "GO_IMAGE" not in final_image and "golang" not in final_image, "the Go toolchain in the final stage"
     assert re.findall(r"^USER (\S+)$", final, re.M) == [user]
     assert re.search(r'^ENTRYPOINT \["kai-isolator"\]$', final, re.M)
     if dockerfile == "Dockerfile.nodeagent":
