@@ -434,6 +434,11 @@ class Runtime:
     def jetstream(self) -> JetStreamContext:
         return self._jetstream()
 
+    @property
+    def connection(self) -> NatsClient:
+        """The NATS connection itself, for a service that pipelines its own publishes; BusError before start."""
+        return self._connected()
+
     def _connected(self) -> NatsClient:
         if self._nc is None:
             raise BusError("runtime not started")
