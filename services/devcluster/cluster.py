@@ -24,7 +24,7 @@ from kai_isolator.shared.settings import split_host_port
 
 from .api import MERGE_PATCH, AsyncApi
 from .build import BuildError, ensure_all
-from .kai import GPU_SHARING_CONDITION, KaiAdmission, KaiScheduler
+from .kai import GPU_SHARING_CONDITION, LIMIT_ENV, KaiAdmission, KaiScheduler
 from .kubelet import SimulatedKubelet
 from .plane import ApiCallError, ControlPlane, ControlPlaneError
 
@@ -32,7 +32,11 @@ log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 WEBHOOK_NAME = "kai-resource-isolator"
-NAMESPACE_OPT_OUT = {"matchExpressions": [{"key": "kai-resource-isolator.io/webhook", "operator": "NotIn", "values": ["ignore"]}]}
+OPT_OUT_LABEL = "kai-resource-isolator.io/webhook"
+NAMESPACE_OPT_OUT = {"matchExpressions": [{"key": OPT_OUT_LABEL, "operator": "NotIn", "values": ["ignore"]}]}
+# Where dry-run probes show a new webhook configuration is in force: KAI's alone, and ours.
+PROBE_NAMESPACE = "kai-isolator-devcluster-probe"
+WEBHOOK_PROBE_NAMESPACE = "kai-isolator-devcluster"
 _GROUPS = {"mutatingwebhookconfigurations": "/apis/admissionregistration.k8s.io/v1", "leases": "/apis/coordination.k8s.io/v1"}
 _CLUSTER_SCOPED = {"nodes", "namespaces", "mutatingwebhookconfigurations"}
 
@@ -82,6 +86,9 @@ class DevCluster:
             await self.ensure_namespace("default")
             await self.kai_admission.start()
             await self.api.request("POST", resource_path("mutatingwebhookconfigurations"), self.kai_admission.configuration())
+            await self.ensure_namespace(PROBE_NAMESPACE, {OPT_OUT_LABEL: "ignore"})
+            await self._until_admitted(PROBE_NAMESPACE, lambda pod: any(e["name"] == LIMIT_ENV for e in pod["spec"]["containers"][0].get("env") or []),
+                                       "KAI's admission")
             for name, memory in self.nodes.items():
                 await self.add_node(name, memory)
             self.scheduler = KaiScheduler(self.api, self.nodes, self.step_s)
@@ -221,7 +228,29 @@ class DevCluster:
         body = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration", "metadata": {"name": name}, "webhooks": [hook]}
         with contextlib.suppress(ApiCallError):
             await self.request("DELETE", resource_path("mutatingwebhookconfigurations", None, name))
-        return await self.request("POST", resource_path("mutatingwebhookconfigurations"), body)  # type: ignore[no-any-return]
+        created: Obj = await self.request("POST", resource_path("mutatingwebhookconfigurations"), body)
+        await self.ensure_namespace(WEBHOOK_PROBE_NAMESPACE)
+        await self._until_admitted(WEBHOOK_PROBE_NAMESPACE, lambda pod: any(v["name"] == "kai-resource-isolator-vgpu" for v in pod["spec"].get("volumes") or []),
+                                   f"webhook {name}")
+        return created
+
+    async def _until_admitted(self, namespace: str, admitted: Any, what: str, timeout_s: float = 20) -> None:
+        """Wait until a newly registered webhook is in force: the API server picks configurations up from a watch, not at
+        once, and a pod created before then would never meet it. Probed with dry-run creates (nothing is stored)."""
+        probe = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "webhook-probe", "annotations": {"gpu-memory": "1024"}},
+                 "spec": {"schedulerName": "kai-scheduler", "containers": [{"name": "main", "image": "busybox"}]}}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                pod = await self.request("POST", resource_path("pods", namespace) + "?dryRun=All", probe)
+                if admitted(pod):
+                    return
+            except ApiCallError as error:
+                if error.code < 500:
+                    raise
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(f"{what} still not in force {timeout_s:.0f}s after its registration")
+            await asyncio.sleep(0.05)
 
     # --- faults the tests need ------------------------------------------------------------
 

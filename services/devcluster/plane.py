@@ -233,7 +233,9 @@ class ControlPlane:
             f"--service-account-signing-key-file={self.workdir / 'sa.key'}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--authorization-mode=Node,RBAC",
-            # The default admission plugins (MutatingAdmissionWebhook among them) stay as they are: no flag.
+            # The default admission plugins (MutatingAdmissionWebhook among them), plus NodeRestriction, which every
+            # kubeadm and managed cluster adds: without it a kubelet could write any pod's status.
+            "--enable-admission-plugins=NodeRestriction",
             # Webhooks are reached through their Service's endpoints, as a cluster with no kube-proxy needs.
             "--enable-aggregator-routing=true",
             "--allow-privileged=true",  # the node agent's DaemonSet is privileged, as on a real cluster
