@@ -1,7 +1,8 @@
 """A real three-node NATS JetStream cluster (three nats-server processes with routes) per test, and R3 bus settings.
 
 `bus_settings` is overridden here, so every fixture built on it (`start_runtime`, `start_agent`)
-runs on the cluster in these tests.
+runs on the cluster in these tests. Kubernetes is the real API server: `dev_cluster`
+(tests/control_plane/fixtures.py), with KAI-Scheduler and the GPU node simulated through it.
 """
 
 from __future__ import annotations
@@ -67,19 +68,11 @@ async def stream_state(cluster: EmbeddedCluster, stream: str = subjects.STREAM_N
         await nc.close()
 
 
-@pytest.fixture
-async def sandbox(tmp_path: Path):  # type: ignore[no-untyped-def]
-    """The sandbox Kubernetes API with a fast simulated GPU node (pods reach Running in a few steps)."""
-    from kai_isolator.services.sandbox.api import SandboxApi
-    from kai_isolator.services.sandbox.settings import SandboxSettings
-
-    settings = SandboxSettings(kubeconfig=tmp_path / "kubeconfig", bookmark_interval_s=0.2, node_step_s=0.02, retained_events=100_000)
-    async with SandboxApi(settings) as api:
-        yield api
-
-
 def gpu_pod(name: str, node: str = "gpu-node-1") -> dict[str, Any]:
-    """A pod asking for a GPU share without the webhook's library (its story: admitted .. running)."""
+    """A pod asking for a GPU share without the webhook's library (its story: admitted .. running).
+
+    Bound by the simulated KAI scheduler to the node its nodeSelector names; KAI's admission adds the limit env.
+    """
     return {"metadata": {"name": name, "annotations": {"gpu-memory": "4096"}},
             "spec": {"containers": [{"name": "main", "image": "busybox"}], "nodeSelector": {"kubernetes.io/hostname": node}}}
 

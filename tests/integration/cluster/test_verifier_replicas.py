@@ -16,9 +16,11 @@ from pathlib import Path
 import nats
 import pytest
 
+from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.shared import subjects
 from kai_isolator.shared.embedded_nats import EmbeddedCluster, free_port
 from kai_isolator.shared.events import DeviceUsage, HealthVerdict, InspectReply, InspectRequest, NodeStatus, PodIsolation, PodRef, ProcessReport
+from kai_isolator.shared.settings import BusSettings
 from support import RuntimeFactory, eventually
 
 from .conftest import stream_events
@@ -199,22 +201,25 @@ async def test_two_verifiers_judge_once_reverify_once_and_survive_a_kill(
     assert await asyncio.wait_for(survivor.process.wait(), 30) == 0
 
 
-async def test_two_verifiers_write_one_fresh_node_view(nats_cluster: EmbeddedCluster, bus_settings, sandbox, start_runtime: RuntimeFactory) -> None:  # type: ignore[no-untyped-def]
+async def test_two_verifiers_write_one_fresh_node_view(nats_cluster: EmbeddedCluster, bus_settings: BusSettings, dev_cluster: DevCluster,
+                                                       start_runtime: RuntimeFactory) -> None:
     # Status reports are split between the replicas' consumers; a replica writing the view from its own
     # share would, at each heartbeat, put back a status another replica had already replaced.
+    # The view is an annotation on the real API server's Node (the simulated kubelet registered it).
     import json
 
     from kai_isolator.services.verifier.command import running
     from kai_isolator.services.verifier.settings import VerifierSettings
     from kai_isolator.shared.operator_view import NODE_VIEW_ANNOTATION
 
-    settings = VerifierSettings(kubeconfig=sandbox.settings.kubeconfig, reverify_s=3600, pending_retry_s=3600,
+    settings = VerifierSettings(kubeconfig=dev_cluster.kubeconfig, reverify_s=3600, pending_retry_s=3600,
                                 node_view_interval_s=0.1, node_view_heartbeat_s=0.2, reverify_lease_ttl_s=20)
     publisher = await start_runtime("agent-stand-in")
     sequence = count(1)
 
-    def self_check() -> str | None:
-        annotation = sandbox.get("nodes", None, "gpu-node-1")["metadata"].get("annotations", {}).get(NODE_VIEW_ANNOTATION)
+    async def self_check() -> str | None:
+        node = await dev_cluster.get("nodes", None, "gpu-node-1")
+        annotation = (node["metadata"].get("annotations") or {}).get(NODE_VIEW_ANNOTATION)
         return json.loads(annotation)["self_check"] if annotation else None
 
     async with running(settings, bus_settings, url := nats_cluster.url) as first, running(settings, bus_settings, url) as second:
@@ -223,7 +228,11 @@ async def test_two_verifiers_write_one_fresh_node_view(nats_cluster: EmbeddedClu
             await publisher.publish(NodeStatus(node_name="gpu-node-1", sequence=next(sequence), ready=True, active_version="v1",
                                                self_check=outcome))  # type: ignore[arg-type]
             await until_settled(url)
-        await eventually(lambda: self_check() == "failed")
+        for _ in range(500):
+            if await self_check() == "failed":
+                break
+            await asyncio.sleep(0.02)
+        assert await self_check() == "failed"
         for _ in range(10):  # heartbeats come and go: the one writer holds every report, the latest last
             await asyncio.sleep(0.2)
-            assert self_check() == "failed"
+            assert await self_check() == "failed"

@@ -1,7 +1,8 @@
 """Two watcher processes (active/standby on a KV lease) on a three-node R3 cluster under steady pod churn:
 the leader SIGKILLed, the next one SIGSTOPped past its lease (then resumed: it must be fenced), the
 stream leader SIGKILLed and a NATS server paused. Every pod's story ends up on the stream complete,
-in order, each fact once."""
+in order, each fact once. Pods live on the real kube-apiserver (`dev_cluster`): KAI's admission, binder and
+the node's kubelet are simulated through its API, and the watchers list/watch it as in a cluster."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kai_isolator.services.devcluster.cluster import ApiCallError, DevCluster
 from kai_isolator.shared import subjects
 from kai_isolator.shared.embedded_nats import EmbeddedCluster, free_port
 from kai_isolator.shared.events import PodIsolation
@@ -49,13 +51,14 @@ class WatcherProcess:
         return values[0] if values else 0.0
 
 
-async def start_watcher(url: str, kubeconfig: Path) -> WatcherProcess:
+async def start_watcher(url: str, kubeconfig: Path, logs: Path) -> WatcherProcess:
+    """A watcher process on the cluster, its output in `logs` (the test's own dir: the kubeconfig's is the session's)."""
     port = free_port()
     env = {**os.environ, "KAI_ISOLATOR_NATS_URL": url, "KAI_ISOLATOR_NATS_REPLICAS": "3", "KAI_ISOLATOR_NATS_PING_INTERVAL_S": "1",
            "KAI_ISOLATOR_BACKOFF_BASE_S": "0.05", "KAI_ISOLATOR_WATCHER_LEASE_TTL_S": str(TTL_S),
            "KAI_ISOLATOR_WATCHER_RESUME_SAVE_INTERVAL_S": "0.2", "KAI_ISOLATOR_WATCHER_BACKOFF_MAX_S": "0.5",
            "KAI_ISOLATOR_LOG_LEVEL": "info"}
-    log = open(kubeconfig.parent / f"watcher-{port}.log", "wb")  # noqa: SIM115 - the child writes it until it ends
+    log = open(logs / f"watcher-{port}.log", "wb")  # noqa: SIM115 - the child writes it until it ends
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kai_isolator.services.cli", "watcher", "--kubeconfig", str(kubeconfig),
         "--probe-listen", f"127.0.0.1:{port}", env=env, stdout=log, stderr=log)
@@ -82,27 +85,37 @@ async def leader_of(url: str, watchers: list[WatcherProcess]) -> WatcherProcess:
 
 
 @pytest.mark.timeout(400)
-async def test_two_watchers_through_watcher_and_nats_faults_lose_and_repeat_nothing(nats_cluster: EmbeddedCluster, sandbox) -> None:  # type: ignore[no-untyped-def]
-    url, kubeconfig = nats_cluster.url, sandbox.settings.kubeconfig
-    watchers = [await start_watcher(url, kubeconfig), await start_watcher(url, kubeconfig)]
+async def test_two_watchers_through_watcher_and_nats_faults_lose_and_repeat_nothing(nats_cluster: EmbeddedCluster, dev_cluster: DevCluster,
+                                                                                   tmp_path: Path) -> None:
+    url, kubeconfig = nats_cluster.url, dev_cluster.kubeconfig
+    watchers = [await start_watcher(url, kubeconfig, tmp_path), await start_watcher(url, kubeconfig, tmp_path)]
     created: list[str] = []
     deleted: list[str] = []
     stop_churn = asyncio.Event()
 
     async def churn() -> None:
-        # Steady: a pod every 50 ms; every seventh earlier pod that is Running gets deleted.
+        # Steady: a pod every 50 ms (each create also waits on KAI's webhook); every seventh earlier pod
+        # that is Running gets deleted (gracefully: the kubelet confirms it, then the API server removes it).
         i = 0
         while not stop_churn.is_set():
             name = f"p-{i}"
-            await sandbox.create("pods", gpu_pod(name), "default")
+            await dev_cluster.create("pods", gpu_pod(name), "default")
             created.append(name)
             if i % 7 == 6:
                 victim = created[i - 5]
-                if sandbox.get("pods", "default", victim)["status"].get("phase") == "Running":
-                    sandbox.delete("pods", "default", victim)
+                if await phase(victim) == "Running":
+                    await dev_cluster.delete("pods", "default", victim)
                     deleted.append(victim)
             i += 1
             await asyncio.sleep(0.05)
+
+    async def phase(name: str) -> str | None:
+        try:
+            return (await dev_cluster.get("pods", "default", name)).get("status", {}).get("phase")
+        except ApiCallError as error:
+            if error.code == 404:
+                return None
+            raise
 
     async def stories() -> dict[str, list[str]]:
         events = [e for e in await stream_events(url, subjects.ALL_PODS) if isinstance(e, PodIsolation)]
@@ -121,7 +134,7 @@ async def test_two_watchers_through_watcher_and_nats_faults_lose_and_repeat_noth
         first.process.kill()  # SIGKILL the active watcher mid-stream
         await first.process.wait()
         watchers.remove(first)
-        watchers.append(await start_watcher(url, kubeconfig))  # as its Deployment would replace it
+        watchers.append(await start_watcher(url, kubeconfig, tmp_path))  # as its Deployment would replace it
         await asyncio.sleep(2 * TTL_S)
 
         second = await leader_of(url, watchers)
