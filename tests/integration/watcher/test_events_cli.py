@@ -1,4 +1,4 @@
-"""`kai-isolator events` shows the watcher's stream."""
+"""`kai-isolator events` shows the watcher's stream of a pod on the real API server."""
 
 from __future__ import annotations
 
@@ -6,16 +6,16 @@ import asyncio
 import os
 import sys
 
-from kai_isolator.services.sandbox.api import SandboxApi
+from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.shared.settings import BusSettings
 from support import eventually
 
 from .conftest import PodEvents, gpu_pod
 
 
-async def test_events_command_shows_pod_story(sandbox: SandboxApi, bus_settings: BusSettings, start_watcher, pod_events: PodEvents) -> None:
+async def test_events_command_shows_pod_story(dev_cluster: DevCluster, bus_settings: BusSettings, start_watcher, pod_events: PodEvents) -> None:
     await start_watcher()
-    await sandbox.create("pods", gpu_pod("shown", injected=True), "default")
+    await dev_cluster.create("pods", gpu_pod("shown", injected=True), "default")
     await eventually(lambda: pod_events.states("shown") == ["admitted", "scheduled", "running"])
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kai_isolator.services.cli", "events", "--subject", "isolator.pod.>", "--since", "1h", "--limit", "3",

@@ -1,4 +1,5 @@
-"""Restarts, 410 Gone and NATS outages: every change reaches a durable consumer exactly once."""
+"""Restarts of the watcher and of the API server, a real compaction's 410 Gone, and NATS outages: every change
+reaches a durable consumer exactly once."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ import os
 import sys
 from collections import Counter
 
-from kai_isolator.services.sandbox.api import SandboxApi
+from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.services.watcher.settings import WatcherSettings
 from kai_isolator.shared.embedded_nats import EmbeddedNats
 from kai_isolator.shared.settings import BusSettings
 from support import eventually
 
-from .conftest import PodEvents, gpu_pod
+from .conftest import PodEvents, delete_for_good, gpu_pod, phase, until, wait_phase
 
 FULL_STORY = ["admitted", "isolation-missing", "scheduled", "running"]
 
@@ -23,27 +24,28 @@ def assert_exactly_once(events: PodEvents) -> None:
     assert [key for key, n in seen.items() if n > 1] == []
 
 
-async def test_killed_mid_stream_and_restarted_loses_and_repeats_nothing(sandbox: SandboxApi, bus_settings: BusSettings, watcher_settings: WatcherSettings, start_watcher, pod_events: PodEvents) -> None:
+async def test_killed_mid_stream_and_restarted_loses_and_repeats_nothing(dev_cluster: DevCluster, bus_settings: BusSettings, watcher_settings: WatcherSettings,
+                                                                         start_watcher, pod_events: PodEvents) -> None:
     env = {**os.environ, "KAI_ISOLATOR_NATS_URL": bus_settings.nats_url or "", "KAI_ISOLATOR_WATCHER_RESUME_SAVE_INTERVAL_S": "0.2", "KAI_ISOLATOR_WATCHER_LEASE_TTL_S": "2", "KAI_ISOLATOR_LOG_LEVEL": "warning"}
     first = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kai_isolator.services.cli", "watcher", "--kubeconfig", str(watcher_settings.kubeconfig), "--probe-listen", "127.0.0.1:0", env=env,
     )
     try:
-        await sandbox.create("pods", gpu_pod("job-0"), "default")
+        await dev_cluster.create("pods", gpu_pod("job-0"), "default")
         await eventually(lambda: pod_events.count() >= 2, timeout_s=60)  # the process is up and watching
         for i in range(1, 40):
-            await sandbox.create("pods", gpu_pod(f"job-{i}"), "default")
+            await dev_cluster.create("pods", gpu_pod(f"job-{i}"), "default")
         await eventually(lambda: pod_events.count() >= 30)
     finally:
         first.kill()  # SIGKILL mid-stream: no graceful stop, no final save
         await first.wait()
 
     for i in range(40, 50):
-        await sandbox.create("pods", gpu_pod(f"job-{i}"), "default")
-    await eventually(lambda: sandbox.get("pods", "default", "job-0")["status"]["phase"] == "Running")
-    sandbox.delete("pods", "default", "job-0")
+        await dev_cluster.create("pods", gpu_pod(f"job-{i}"), "default")
+    await wait_phase(dev_cluster, "job-0", "Running")
+    await delete_for_good(dev_cluster, "job-0")  # while no watcher runs: only the resumed watch can tell of it
     await start_watcher()
-    await sandbox.create("pods", gpu_pod("job-50"), "default")
+    await dev_cluster.create("pods", gpu_pod("job-50"), "default")
 
     names = [f"job-{i}" for i in range(51)]
     await eventually(lambda: all(pod_events.states(n)[:4] == FULL_STORY for n in names) and "deleted" in pod_events.states("job-0"), timeout_s=30)
@@ -52,20 +54,26 @@ async def test_killed_mid_stream_and_restarted_loses_and_repeats_nothing(sandbox
     assert all(pod_events.states(n) == FULL_STORY for n in names[1:])
 
 
-async def test_410_gone_relists_and_reconciles_missed_changes(sandbox: SandboxApi, start_watcher, pod_events: PodEvents) -> None:
+async def test_410_gone_relists_and_reconciles_missed_changes(dev_cluster: DevCluster, start_watcher, pod_events: PodEvents) -> None:
     _, stack = await start_watcher()
     for name in ("keep", "doomed", "finishing"):
-        await sandbox.create("pods", gpu_pod(name), "default")
+        await dev_cluster.create("pods", gpu_pod(name), "default")
     await eventually(lambda: all(pod_events.states(n) == FULL_STORY for n in ("keep", "doomed", "finishing")))
     await stack.aclose()  # graceful: the resume version is saved
 
-    sandbox.delete("pods", "default", "doomed")
-    sandbox.nodes.finish("default", "finishing", 1)
-    await sandbox.create("pods", gpu_pod("newcomer", node=None), "default")
-    sandbox.compact()  # the saved resume version is now older than the server keeps
+    # Every missed change done for good before the history goes, so only the relist can tell of them.
+    await delete_for_good(dev_cluster, "doomed")
+    await dev_cluster.finish("default", "finishing", 1)
+    await dev_cluster.create("pods", gpu_pod("newcomer", node=None), "default")
+    compacted = await dev_cluster.compact()  # etcd forgets every version before now, the saved resume version included
+    # kube-apiserver's watch cache still serves the compacted range (a watch from the saved version would be
+    # answered from it, no 410); a restarted API server's cache begins after the compaction, as one whose cache
+    # window has moved past the version does. Then the saved version is gone from both.
+    await dev_cluster.restart_apiserver()
 
     watcher, _ = await start_watcher()
-    await eventually(lambda: "deleted" in pod_events.states("doomed") and "finished" in pod_events.states("finishing") and pod_events.states("newcomer"))
+    await eventually(lambda: "deleted" in pod_events.states("doomed") and "finished" in pod_events.states("finishing") and len(pod_events.states("newcomer")) == 2)
+    assert compacted > 0
     assert watcher.metrics.relists._value.get() == 1  # it resumed, met 410 Gone, and relisted once
     assert pod_events.states("doomed") == [*FULL_STORY, "deleted"]
     assert pod_events.states("finishing") == [*FULL_STORY, "finished"]
@@ -74,17 +82,42 @@ async def test_410_gone_relists_and_reconciles_missed_changes(sandbox: SandboxAp
     assert_exactly_once(pod_events)
 
 
-async def test_nats_outage_during_churn_loses_nothing(sandbox: SandboxApi, nats_server: EmbeddedNats, start_watcher, pod_events: PodEvents) -> None:
+async def test_api_server_restart_mid_stream_loses_and_repeats_nothing(dev_cluster: DevCluster, start_watcher, pod_events: PodEvents) -> None:
     await start_watcher()
-    await sandbox.create("pods", gpu_pod("before"), "default")
+    for name in ("before", "doomed"):
+        await dev_cluster.create("pods", gpu_pod(name), "default")
+    await eventually(lambda: pod_events.states("before") == FULL_STORY and pod_events.states("doomed") == FULL_STORY)
+
+    # Every watch on it ends, the watcher's included; KAI's scheduler and the kubelets ride it out too. The new
+    # server's watch cache begins at its start, so the watcher's resume version meets 410 Gone even with no
+    # compaction and it relists: the story still has to come out whole, each fact once.
+    await dev_cluster.restart_apiserver()
+    await dev_cluster.create("pods", gpu_pod("after"), "default")
+    await dev_cluster.delete("pods", "default", "doomed")
+    await dev_cluster.finish("default", "before", 0)
+
+    await eventually(lambda: pod_events.states("after") == FULL_STORY and "deleted" in pod_events.states("doomed")
+                     and "finished" in pod_events.states("before"), timeout_s=30)
+    assert pod_events.states("doomed") == [*FULL_STORY, "deleted"]
+    assert pod_events.states("before") == [*FULL_STORY, "finished"]
+    assert_exactly_once(pod_events)
+
+
+async def test_nats_outage_during_churn_loses_nothing(dev_cluster: DevCluster, nats_server: EmbeddedNats, start_watcher, pod_events: PodEvents) -> None:
+    await start_watcher()
+    await dev_cluster.create("pods", gpu_pod("before"), "default")
     await eventually(lambda: pod_events.states("before") == FULL_STORY)
 
     await asyncio.to_thread(nats_server.stop)
     for i in range(15):
-        await sandbox.create("pods", gpu_pod(f"during-{i}"), "default")
-    await eventually(lambda: all(sandbox.get("pods", "default", f"during-{i}")["status"]["phase"] == "Running" for i in range(15)))
-    sandbox.delete("pods", "default", "before")
-    sandbox.delete("pods", "default", "during-0")
+        await dev_cluster.create("pods", gpu_pod(f"during-{i}"), "default")
+
+    async def all_running() -> bool:
+        return all([await phase(dev_cluster, f"during-{i}") == "Running" for i in range(15)])
+
+    await until(all_running)
+    await dev_cluster.delete("pods", "default", "before")
+    await dev_cluster.delete("pods", "default", "during-0")
     await asyncio.to_thread(nats_server.start)
 
     await eventually(lambda: all(pod_events.states(f"during-{i}")[:4] == FULL_STORY for i in range(15)) and "deleted" in pod_events.states("during-0") and "deleted" in pod_events.states("before"), timeout_s=40)
