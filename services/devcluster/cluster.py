@@ -259,7 +259,8 @@ class DevCluster:
         await asyncio.to_thread(self.plane.restart_apiserver)
 
     async def compact(self) -> int:
-        """Compact etcd's history up to now: any older resourceVersion then answers 410 Gone."""
+        """Compact etcd's history up to now. Older resourceVersions answer 410 Gone once kube-apiserver's watch cache no
+        longer holds them too (after a restart of it, say): compaction alone leaves recent ones served from the cache."""
         assert self.plane is not None
         return await asyncio.to_thread(self.plane.compact_etcd)
 

@@ -26,6 +26,8 @@ from kai_isolator.shared.pki import CertificateAuthority, private_key_pem, publi
 from .build import Binaries
 
 SERVICE_CIDR = "10.0.0.0/24"
+# kube-apiserver leaves on SIGTERM at once, unless a watch is open: then it waits up to a minute for it to end.
+APISERVER_GRACE_S = 2.0
 ISSUER = "https://kubernetes.default.svc.cluster.local"
 
 
@@ -268,12 +270,12 @@ class ControlPlane:
             time.sleep(0.05)
 
     @staticmethod
-    def _terminate(process: subprocess.Popen[bytes] | None) -> None:
+    def _terminate(process: subprocess.Popen[bytes] | None, grace_s: float = 10) -> None:
         if process is None or process.poll() is not None:
             return
         try:
             os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=10)
+            process.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
@@ -282,11 +284,11 @@ class ControlPlane:
 
     def restart_apiserver(self) -> None:
         """Stop kube-apiserver (every watch on it ends) and start it again on the same port and store."""
-        self._terminate(self._apiserver)
+        self._terminate(self._apiserver, APISERVER_GRACE_S)
         self._start_apiserver("kube-apiserver restart")
 
     def stop(self) -> None:
-        self._terminate(self._apiserver)
+        self._terminate(self._apiserver, APISERVER_GRACE_S)
         self._terminate(self._etcd)
 
     @property
