@@ -1,27 +1,32 @@
 """The webhook's HTTPS server: /mutate, probes and metrics on one TLS port, certificate reload
-without restart, and decisions handed to the bus through a bounded queue that never delays a response."""
+without restart, and decisions handed to the bus through a bounded buffer that never delays a response."""
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import itertools
 import logging
 import os
 import ssl
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kai_isolator.shared.bus import Runtime
-from kai_isolator.shared.errors import BusError, ConfigError, DecodeError
-from kai_isolator.shared.events import AdmissionDecision
+from kai_isolator.shared.errors import BusError, ConfigError
 from kai_isolator.shared.probes import add_probe_routes
 from kai_isolator.shared.settings import BusSettings, split_host_port
 
+from .publisher import DecisionPublisher, PublishCounters
 from .settings import MAX_BODY_BYTES, AdmissionSettings
-from .webhook import DecisionRecord, Webhook, bad_request
+from .webhook import Webhook, bad_request
 
 log = logging.getLogger(__name__)
 
@@ -84,86 +89,45 @@ class ReloadingTLS:
         return True
 
 
+class RequestMetrics(Collector):
+    """Decisions, bad requests and answer latency as plain numbers, exported at scrape time: a
+    prometheus Counter or Histogram takes a lock and a few calls per update, per request."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.decisions = dict.fromkeys(OUTCOMES, 0)
+        self.bad_requests = 0
+        self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)  # the last: above every bound
+        self.latency_sum = 0.0
+        registry.register(self)
+
+    def observe(self, seconds: float) -> None:
+        self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.latency_sum += seconds
+
+    def describe(self) -> list[Metric]:
+        return list(self.collect())
+
+    def collect(self) -> Iterator[Metric]:
+        decisions = CounterMetricFamily("kai_isolator_admission_decisions", "Admission decisions, by outcome", labels=["decision"])
+        for outcome, count in self.decisions.items():
+            decisions.add_metric([outcome], count)
+        yield decisions
+        yield CounterMetricFamily("kai_isolator_admission_bad_requests", "Requests answered 4xx without a decision", value=self.bad_requests)
+        cumulative = list(itertools.accumulate(self.latency_counts))
+        buckets = [(repr(bound), count) for bound, count in zip(LATENCY_BUCKETS, cumulative)] + [("+Inf", cumulative[-1])]
+        yield HistogramMetricFamily("kai_isolator_admission_seconds", "Time to answer /mutate", buckets=buckets, sum_value=self.latency_sum)
+
+
 class Metrics:
-    def __init__(self, registry: CollectorRegistry, queue: asyncio.Queue[DecisionRecord]) -> None:
+    def __init__(self, registry: CollectorRegistry, pending: Callable[[], int]) -> None:
         r = registry
-        decisions = Counter("kai_isolator_admission_decisions", "Admission decisions, by outcome", ["decision"], registry=r)
-        self.decisions = {o: decisions.labels(o) for o in OUTCOMES}
-        self.bad_requests = Counter("kai_isolator_admission_bad_requests", "Requests answered 4xx without a decision", registry=r)
-        self.latency = Histogram("kai_isolator_admission_seconds", "Time to answer /mutate", buckets=LATENCY_BUCKETS, registry=r)
-        self.published = Counter("kai_isolator_admission_events_published", "Decision events stored on the bus", registry=r)
+        self.requests = RequestMetrics(r)
+        published = Counter("kai_isolator_admission_events_published", "Decision events stored on the bus", registry=r)
         dropped = Counter("kai_isolator_admission_events_dropped", "Decision events not published, by why", ["reason"], registry=r)
-        self.dropped = {k: dropped.labels(k) for k in ("queue_full", "no_bus", "publish_failed", "unroutable")}
+        self.publishing = PublishCounters(published, {k: dropped.labels(k) for k in ("queue_full", "no_bus", "publish_failed", "unroutable")})
         reloads = Counter("kai_isolator_admission_tls_reloads", "Certificate reloads, by outcome", ["outcome"], registry=r)
         self.reloads = {k: reloads.labels(k) for k in ("ok", "failed")}
-        Gauge("kai_isolator_admission_event_queue", "Decision events waiting for the bus", registry=r).set_function(queue.qsize)
-
-
-class DecisionPublisher:
-    """Takes decisions without ever waiting; workers publish them once the bus is up."""
-
-    def __init__(self, runtime: Runtime | None, metrics: Metrics, queue: asyncio.Queue[DecisionRecord], workers: int) -> None:
-        self._runtime = runtime
-        self._metrics = metrics
-        self._queue = queue
-        self._workers = workers
-        self._tasks: list[asyncio.Task[None]] = []
-        self.bus_ready = asyncio.Event()
-
-    @property
-    def pending(self) -> int:
-        """Decisions waiting for the bus."""
-        return self._queue.qsize()
-
-    def offer(self, record: DecisionRecord) -> None:
-        if self._runtime is None:
-            self._metrics.dropped["no_bus"].inc()
-            return
-        try:
-            self._queue.put_nowait(record)
-        except asyncio.QueueFull:
-            self._metrics.dropped["queue_full"].inc()
-
-    def start(self) -> None:
-        if self._runtime is not None:
-            self._tasks = [asyncio.create_task(self._work(), name=f"admission-publisher-{i}") for i in range(self._workers)]
-
-    async def stop(self, grace_s: float = 2.0) -> None:
-        """Publish what is queued for a moment if the bus is up, then give the rest up as dropped."""
-        if self.bus_ready.is_set():
-            deadline = time.monotonic() + grace_s
-            while not self._queue.empty() and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-        for task in self._tasks:
-            # Cancel until done: asyncio.wait_for inside the NATS client can swallow one cancellation.
-            while not task.done():
-                task.cancel()
-                await asyncio.wait({task}, timeout=0.1)
-        while not self._queue.empty():
-            self._queue.get_nowait()
-            self._metrics.dropped["publish_failed"].inc()
-
-    async def _work(self) -> None:
-        assert self._runtime is not None
-        await self.bus_ready.wait()
-        while True:
-            record = await self._queue.get()
-            await self._publish(self._runtime, record)
-
-    async def _publish(self, runtime: Runtime, record: DecisionRecord) -> None:
-        try:
-            event = AdmissionDecision(
-                request_uid=record.request_uid, namespace=record.namespace, pod_name=record.pod_name,
-                decision=record.decision, reason=record.reason, container=record.container,
-                findings=list(record.findings), patch_operations=record.patch_operations,
-            )
-            await runtime.publish(event)
-        except DecodeError:
-            self._metrics.dropped["unroutable"].inc()  # no namespace a subject can carry
-        except BusError:
-            self._metrics.dropped["publish_failed"].inc()
-        else:
-            self._metrics.published.inc()
+        Gauge("kai_isolator_admission_event_queue", "Decision events waiting for the bus", registry=r).set_function(pending)
 
 
 class AdmissionServer:
@@ -177,9 +141,8 @@ class AdmissionServer:
         self.gated_webhook = Webhook.from_settings(settings, readiness_gate=True)
         self.runtime = Runtime(SERVICE, bus) if bus is not None and bus.nats_url else None
         registry = self.runtime.metrics.registry if self.runtime else CollectorRegistry()
-        queue: asyncio.Queue[DecisionRecord] = asyncio.Queue(settings.event_queue_size)
-        self.metrics = Metrics(registry, queue)
-        self.publisher = DecisionPublisher(self.runtime, self.metrics, queue, settings.publish_concurrency)
+        self.metrics = Metrics(registry, lambda: self.publisher.pending)
+        self.publisher = DecisionPublisher(self.runtime, self.metrics.publishing, settings.event_queue_size, settings.publish_concurrency)
         self.tls: ReloadingTLS | None = None
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -254,7 +217,7 @@ class AdmissionServer:
     async def mutate(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
         if request.method != "POST":
-            self.metrics.bad_requests.inc()
+            self.metrics.requests.bad_requests += 1
             return web.Response(status=405, text="method not allowed: POST an AdmissionReview\n", headers={"Allow": "POST"})
         if request.content_type != "application/json":
             answer = bad_request(f"content type must be application/json, got {request.content_type or 'none'}")
@@ -268,10 +231,11 @@ class AdmissionServer:
             else:
                 answer = (self.gated_webhook if request.path == GATED_PATH else self.webhook).handle(raw)
         record = answer.record
+        metrics = self.metrics.requests
         if record is None:
-            self.metrics.bad_requests.inc()
+            metrics.bad_requests += 1
         else:
-            self.metrics.decisions[record.decision].inc()
+            metrics.decisions[record.decision] += 1
             self.publisher.offer(record)
             # Denials and warnings are rare and worth a line; every decision only when debugging.
             if record.decision in ("denied", "warned") or log.isEnabledFor(logging.DEBUG):
@@ -279,5 +243,5 @@ class AdmissionServer:
                     "uid": record.request_uid, "namespace": record.namespace, "pod": record.pod_name,
                     "decision": record.decision, "reason": record.reason,
                 })
-        self.metrics.latency.observe(time.perf_counter() - started)
+        metrics.observe(time.perf_counter() - started)
         return web.Response(status=answer.status, body=answer.body, content_type=answer.content_type)

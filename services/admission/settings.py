@@ -46,7 +46,7 @@ class AdmissionSettings(BaseSettings):
     allow_pod_opt_out: bool = Field(True, description="honour the pod annotation kai-resource-isolator.io/inject: \"false\"")
     tls_reload_interval_s: float = Field(2.0, gt=0, description="how often the certificate files are checked for a new pair")
     event_queue_size: int = Field(10_000, ge=1, description="decisions waiting for the bus; beyond this they are dropped and counted")
-    publish_concurrency: int = Field(64, ge=1, le=4096, description="decisions being published at once")
+    publish_concurrency: int = Field(256, ge=1, le=4096, description="decisions sent to the bus and not yet acknowledged, at most")
 
     @field_validator("container_vgpu_mount", "state_dir", "grant_dir")
     @classmethod
