@@ -9,21 +9,21 @@ import asyncio
 import os
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import nats
 import pytest
-from kubernetes_asyncio import client, config
 
+from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.services.nodeagent import enforce
 from kai_isolator.services.nodeagent.agent import NodeAgent
 from kai_isolator.services.nodeagent.enforce import Enforcer, KnownPods, Target
 from kai_isolator.services.nodeagent.nvml import Nvml, NvmlError
 from kai_isolator.services.nodeagent.settings import NodeAgentSettings
-from kai_isolator.services.sandbox.api import SandboxApi
-from kai_isolator.services.sandbox.settings import SandboxSettings
 from kai_isolator.shared import subjects
 from kai_isolator.shared.cgroups import container_of_pid
 from kai_isolator.shared.contract import DEFAULT_GRANT_DIR
@@ -278,26 +278,32 @@ async def test_nothing_is_killed_on_a_partial_view(node: SimNode, driver_view: N
 
 
 @pytest.fixture
-async def sandbox(tmp_path: Path) -> AsyncIterator[SandboxApi]:
-    settings = SandboxSettings(kubeconfig=tmp_path / "kubeconfig", bookmark_interval_s=0.1, node_step_s=0.02, gpu_nodes=("gpu-node-sec:15360",))
-    async with SandboxApi(settings) as api:
-        yield api
+def dev_cluster_options() -> dict[str, Any]:
+    """The real API server knows this node (its simulated kubelet registers it); no pod of it is in the API."""
+    return {"nodes": {"gpu-node-sec": 15360}, "step_s": 0.02}
+
+
+async def breach_events(cluster: DevCluster, namespace: str, timeout_s: float = 10) -> list[dict[str, Any]]:
+    """The IsolationBreached Events in `namespace`, once there is one (posted right after the verdict is published)."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := [e for e in await cluster.list("events", namespace) if e.get("reason") == "IsolationBreached"]):
+        assert time.monotonic() < deadline, f"no IsolationBreached Event in {namespace}"
+        await asyncio.sleep(0.05)
+    return found
 
 
 async def test_the_agent_kills_publishes_breached_posts_the_event_and_counts(
-        node: SimNode, driver_view: Nvml, sandbox: SandboxApi, bus_settings: BusSettings) -> None:
+        node: SimNode, driver_view: Nvml, dev_cluster: DevCluster, bus_settings: BusSettings) -> None:
     neighbour = await node.start(gpu_pod("calm"), limit="1g")
     kept = await neighbour.hold(512 * MIB)
     tenant = await node.start(gpu_pod("agent-hostile"), limit="1g")
     settings = NodeAgentSettings(node_name="gpu-node-sec", host_root=node.root, library=[], install_on_start=False,
-                                 status_interval_s=3600, usage_interval_s=3600, kubeconfig=sandbox.settings.kubeconfig,
+                                 status_interval_s=3600, usage_interval_s=3600, kubeconfig=dev_cluster.kubeconfig,
                                  enforce_interval_s=0.2, breach_tolerance_mib=0, nvml_library=str(FAKE_NVML))
-    api = await config.new_client_from_config(config_file=str(sandbox.settings.kubeconfig))
-    async with api:  # the tenant's namespace exists, as it does wherever its pods run
-        await client.CoreV1Api(api).create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=tenant.pod_ref.namespace)))
+    await dev_cluster.ensure_namespace(tenant.pod_ref.namespace)  # the tenant's namespace exists, as it does wherever its pods run
     agent = NodeAgent(settings, bus_settings, probe_listen="127.0.0.1:0")
     assert agent.enforcer is not None
-    # The sandbox runs no such pods; the enforcer learns them as the agent's pod watch would.
+    # The simulated containers are not pods in the API; the enforcer learns them as the agent's pod watch would.
     agent.enforcer.pods = KnownPods(agent.grant_root, lambda: {c.pod_ref.uid: c.pod for c in node.containers})
     nc = await nats.connect(bus_settings.nats_url or "")
     verdicts = await nc.subscribe(subjects.health(tenant.pod_ref.namespace, tenant.pod_ref.name))
@@ -310,16 +316,8 @@ async def test_the_agent_kills_publishes_breached_posts_the_event_and_counts(
         assert await exited_by_sigkill(bypass)
         assert kept.process.returncode is None and node.driver_used() == 512 * MIB
 
-        api = await config.new_client_from_config(config_file=str(sandbox.settings.kubeconfig))
-        async with api:  # the Event is posted right after the verdict is published
-            for _ in range(100):
-                events = await client.CoreV1Api(api).list_namespaced_event(tenant.pod_ref.namespace)
-                breached = [e for e in events.items if e.reason == "IsolationBreached"]
-                if breached:
-                    break
-                await asyncio.sleep(0.05)
-        [event] = breached
-        assert event.type == "Warning" and event.involved_object.name == tenant.pod_ref.name and "over-grant" in event.message
+        [event] = await breach_events(dev_cluster, tenant.pod_ref.namespace)
+        assert event["type"] == "Warning" and event["involvedObject"]["name"] == tenant.pod_ref.name and "over-grant" in event["message"]
         async with aiohttp.ClientSession() as http, http.get(f"{agent.runtime.probe_url}/metrics") as response:
             metrics = await response.text()
         assert (f'kai_isolator_breaches_total{{action="killed",container="main",namespace="{tenant.pod_ref.namespace}",'
