@@ -33,15 +33,17 @@ import orjson
 from prometheus_client import Counter, Gauge
 
 from kai_isolator.shared import subjects
-from kai_isolator.shared.bus import Runtime
+from kai_isolator.shared.bus import HEADERS_CONTENT_TYPE, WRONG_LAST_SEQUENCE, Runtime
 from kai_isolator.shared.errors import BusError, FencedError, LeaseLostError
 from kai_isolator.shared.events import PodIsolation
 from kai_isolator.shared.lease import Lease
 
+from .acks import Ack, AckPipeline
 from .kube import KubeApiError, KubeClient
 from .lanes import Lanes, Progress
 from .settings import WatcherSettings
 from .story import PodRecord, PodView, advance, deletion, needs_limit, view_of
+from .wire import encode_event
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -119,6 +121,8 @@ class PodWatcher:
         """(version, uid) of closed stories, a heap: dropped once the saved resume point passed them."""
         self._progress = Progress(settings.max_in_flight)
         self._lanes = Lanes(settings.lanes, self._progress)
+        self._acks: AckPipeline | None = None
+        self._published_as: dict[str, Any] = {}
         self._state = asyncio.Lock()
         """Held by a relist and a resume save: both walk the records the other would drop."""
         # A standby can work (it takes over on its own), so it is ready; a leader once it has listed.
@@ -210,14 +214,19 @@ class PodWatcher:
     async def _main(self) -> None:
         self._progress = Progress(self.settings.max_in_flight)
         self._lanes = Lanes(self.settings.lanes, self._progress)
-        await self._retrying("bus", self._load_state)
-        await self._retrying("bus", self._recover)
-        self._loaded = True
-        # One group: a lane's failure (a fenced write, a bug) ends the reading and the saving too.
-        async with asyncio.TaskGroup() as group:
-            group.create_task(self._lanes.run(), name="watch-lanes")
-            group.create_task(self._saver(), name="watch-resume-saver")
-            group.create_task(self._loop(), name="watch-read")
+        self._acks = AckPipeline(self.runtime.connection, self.runtime.settings.jetstream_timeout_s, limit=4 * self.settings.lanes)
+        await self._retrying("bus", self._acks.start)
+        try:
+            await self._retrying("bus", self._load_state)
+            await self._retrying("bus", self._recover)
+            self._loaded = True
+            # One group: a lane's failure (a fenced write, a bug) ends the reading and the saving too.
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._lanes.run(), name="watch-lanes")
+                group.create_task(self._saver(), name="watch-resume-saver")
+                group.create_task(self._loop(), name="watch-read")
+        finally:
+            await self._acks.stop()
 
     async def _loop(self) -> None:
         delay = self.settings.backoff_base_s
@@ -345,7 +354,6 @@ class PodWatcher:
         if len(self._progress) >= self._progress.limit:
             await self._progress.room()  # backpressure: the watch is not read while the lanes are full
         self._lanes.submit(f"{namespace}/{name}", version, action, *args)
-        self.metrics.in_flight.set(len(self._progress))
 
     # --- one pod (on its lane) ----------------------------------------------------------
 
@@ -395,9 +403,8 @@ class PodWatcher:
 
     def _published(self, record: PodRecord) -> None:
         """The record's events are out: keep it in memory without them (KV still has them for a crash's recovery)."""
-        current = self.records.get(record.uid)
-        if current is record:
-            self.records[record.uid] = record.model_copy(update={"pending": []})
+        if self.records.get(record.uid) is record:
+            record.pending = []  # ours alone: built by advance() for this change
 
     async def _recover(self) -> None:
         """Finish what a crash interrupted: publish each record's pending events the stream does not have yet."""
@@ -468,8 +475,9 @@ class PodWatcher:
         if known is not None and known[1] == event_id:
             return  # a previous holder (or our own lost ack) already stored it
         self.lease.check()
+        data = encode_event(event, self.runtime.service)
         try:
-            ack = await self.runtime.publish(event, expected_last_subject_seq=known[0] if known else 0)
+            ack = await self._send(subject, data, event_id, known[0] if known else 0)
         except FencedError:
             # Someone else wrote this pod's subject since we looked: only fine if it is this very event.
             self._tips.pop(subject, None)
@@ -480,7 +488,7 @@ class PodWatcher:
                 raise LeaseLostError(f"{subject} was written by another watcher; resynchronising from KV") from None
             self.lease.check()
             try:
-                ack = await self.runtime.publish(event, expected_last_subject_seq=seq)
+                ack = await self._send(subject, data, event_id, seq)
             except FencedError:
                 self._tips.pop(subject, None)
                 raise LeaseLostError(f"{subject} was written by another watcher; resynchronising from KV") from None
@@ -490,20 +498,52 @@ class PodWatcher:
             self._tips[subject] = (ack.seq, event_id)
         self.metrics.emitted(event.state)
 
-    async def _put_record(self, record: PodRecord) -> None:
-        self.lease.check()
-        kv, key = self.runtime.kv(self.settings.state_bucket), self._record_key(record.uid)
-        value = record.model_dump_json().encode()
+    async def _send(self, subject: str, data: bytes, event_id: str, expected_seq: int) -> Ack:
+        """One acked publish with the de-duplication id and the fence; FencedError when the subject moved on."""
+        assert self._acks is not None
+        headers = {"Nats-Msg-Id": event_id, "Content-Type": HEADERS_CONTENT_TYPE, "Nats-Expected-Last-Subject-Sequence": str(expected_seq)}
         try:
-            if record.uid in self._revisions:
-                revision = await kv.update(key, value, last=self._revisions[record.uid])
-            else:
-                revision = await kv.create(key, value)
-        except nats.js.errors.KeyWrongLastSequenceError:
-            raise LeaseLostError(f"pod record {key} was written by another watcher; resynchronising from KV") from None
+            ack = await self._acks.publish(subject, data, headers)
+        except nats.js.errors.APIError as error:
+            if error.err_code == WRONG_LAST_SEQUENCE:
+                self._count_published("fenced")
+                raise FencedError(f"publish to {subject} fenced: {error.description}") from None
+            self._count_published("failed")
+            raise
+        self._count_published("duplicate" if ack.duplicate else "stored")
+        return ack
+
+    def _count_published(self, outcome: str) -> None:
+        """The runtime's own publish counter, as if its `publish()` had sent it."""
+        child = self._published_as.get(outcome)
+        if child is None:
+            child = self._published_as[outcome] = self.runtime.metrics.published.labels(outcome)
+        child.inc()
+
+    async def _put_record(self, record: PodRecord) -> None:
+        """Write a pod's record: a compare-and-set on the revision we know (create: on none), pipelined like a publish."""
+        assert self._acks is not None
+        self.lease.check()
+        bucket, key = self.settings.state_bucket, self._record_key(record.uid)
+        value = record.model_dump_json().encode()
+        last = self._revisions.get(record.uid)
+        try:
+            revision = (await self._acks.publish(f"$KV.{bucket}.{key}", value, {"Nats-Expected-Last-Subject-Sequence": str(last or 0)})).seq
+        except nats.js.errors.APIError as error:
+            if error.err_code != WRONG_LAST_SEQUENCE:
+                raise
+            if last is not None:
+                raise LeaseLostError(f"pod record {key} was written by another watcher; resynchronising from KV") from None
+            revision = await self._create_over_marker(key, value)
         self._revisions[record.uid] = revision
         self.records[record.uid] = record
-        self.metrics.tracked.set(len(self.records))
+
+    async def _create_over_marker(self, key: str, value: bytes) -> int:
+        """A create where the key was deleted before (a delete marker is its last entry): nats-py's create handles that."""
+        try:
+            return await self.runtime.kv(self.settings.state_bucket).create(key, value)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            raise LeaseLostError(f"pod record {key} was written by another watcher; resynchronising from KV") from None
 
     async def _drop_record(self, record: PodRecord) -> None:
         self.lease.check()
@@ -525,6 +565,7 @@ class PodWatcher:
             await asyncio.sleep(min(s.resume_save_interval_s, 0.05))
             self.resource_version = self._progress.handled or self.resource_version
             self.metrics.in_flight.set(len(self._progress))
+            self.metrics.tracked.set(len(self.records))
             if self._progress.advanced >= s.resume_save_every or time.monotonic() - self._saved_at >= s.resume_save_interval_s:
                 await self._retrying("bus", self._save_resume)
 
