@@ -275,11 +275,25 @@ def _resolve_target(view: PodView) -> tuple[str, int, Json]:
 
 class Shapes:
     """The injected shape under one configuration, built once per target name: every GPU-sharing
-    pod of a workload asks for the same one."""
+    pod of a workload asks for the same one. So does its patch, for a pod that carries nothing of ours."""
 
     def __init__(self, config: InjectionConfig) -> None:
         self.config = config
         self._built: dict[tuple[bool, str], Desired] = {}
+        self._clean: dict[tuple[Desired, str, bool, bool, bool], tuple[bytes, int]] = {}
+
+    def clean_patch(self, view: PodView, target: Target, desired: Desired) -> tuple[bytes, int]:
+        """`plan_ops` serialised, and how many ops, for a pod where `carries_nothing_of_ours`: they
+        depend only on the target's place and on which of the lists the patch extends exist."""
+        container = target.container
+        key = (desired, target.pointer, view.volumes is None, container.get("volumeMounts") is None, container.get("env") is None)
+        patch = self._clean.get(key)
+        if patch is None:
+            if len(self._clean) >= _DESIRED_PER_CONFIG:
+                self._clean.clear()
+            ops = plan_ops(view, target, desired)
+            patch = self._clean[key] = (orjson.dumps(ops), len(ops))
+        return patch
 
     def desired(self, target: Target) -> Desired:
         key = (True, "") if target.is_init else (False, target.name)
@@ -391,6 +405,16 @@ def plan_ops(view: PodView, target: Target, desired: Desired) -> list[Op]:
     if view.our_mounts:
         ops += _read_only_fixes(view, target, desired)
     return ops
+
+
+def carries_nothing_of_ours(view: PodView, target: Target, desired: Desired) -> bool:
+    """No volume, mount or env entry the patch would match: it only adds, the same for every such pod."""
+    if view.our_mounts or any(target.env_names[i] in desired.env_named for i in target.env_hits):
+        return False
+    if view.volumes and not desired.volume_names.isdisjoint(map(_name_key, view.volumes)):
+        return False
+    mounts = target.container.get("volumeMounts") or ()
+    return not any(mount_path(m.get("mountPath")) in desired.mounts_by_path for m in mounts)
 
 
 def patch_ops(view: PodView, target: Target, config: InjectionConfig, desired: Desired | None = None) -> list[Op]:

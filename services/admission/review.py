@@ -73,12 +73,16 @@ def _review(api_version: str, response: dict[str, Any]) -> bytes:
     return orjson.dumps({"apiVersion": api_version, "kind": KIND, "response": response})
 
 
-def allowed(request: AdmissionRequest, patch: Sequence[dict[str, Any]] = (), warnings: Sequence[str] = ()) -> bytes:
-    """Allow, with a JSONPatch when there is one (no patch fields otherwise)."""
+def allowed(request: AdmissionRequest, patch: Sequence[dict[str, Any]] = (), warnings: Sequence[str] = (),
+            patch_json: bytes | None = None) -> bytes:
+    """Allow, with a JSONPatch when there is one (no patch fields otherwise); `patch_json`: the
+    patch already serialised (a non-empty JSON array)."""
     response: dict[str, Any] = {"uid": request.uid, "allowed": True}
-    if patch:
+    if patch and patch_json is None:
+        patch_json = orjson.dumps(patch)
+    if patch_json is not None:
         response["patchType"] = "JSONPatch"
-        response["patch"] = binascii.b2a_base64(orjson.dumps(patch), newline=False).decode("ascii")
+        response["patch"] = binascii.b2a_base64(patch_json, newline=False).decode("ascii")
     if warnings:
         response["warnings"] = list(warnings)
     return _review(request.api_version, response)

@@ -5,13 +5,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import orjson
+
 from kai_isolator.shared.events import AdmissionOutcome
 
 from . import review
 from .answer import JSON, TEXT, Answer, DecisionRecord, bad_request
 from .mutation import (
-    INJECT_ANNOTATION, InjectionConfig, NoTargetContainer, PodUnreadable, Shapes, annotations_of, asks_opt_out,
-    find_target, is_gpu_sharing, plan_ops, read_pod, readiness_gate_ops,
+    INJECT_ANNOTATION, Desired, InjectionConfig, NoTargetContainer, PodUnreadable, PodView, Shapes, Target, annotations_of,
+    asks_opt_out, carries_nothing_of_ours, find_target, is_gpu_sharing, plan_ops, read_pod, readiness_gate_ops,
 )
 from .policy import findings, judge
 from .replay import Replays
@@ -84,9 +86,7 @@ class Webhook:
             target = find_target(view)
             desired = self.shapes.desired(target)
             found = findings(view, target, desired, self.config)
-            ops = plan_ops(view, target, desired)
-            if self.readiness_gate:
-                ops += readiness_gate_ops(view)
+            patch_json, operations = self._patch(view, target, desired)
         except PodUnreadable as error:
             return _deny(request, 400, f"cannot read pod: {error}")
         except NoTargetContainer as error:
@@ -95,11 +95,24 @@ class Webhook:
         if not verdict.allowed:
             return _deny(request, 403, verdict.message, container=target.name, found=found)
         warnings += verdict.warnings
-        decision: AdmissionOutcome = "warned" if verdict.warnings else "injected" if ops else "skipped"
-        reason = f"libvgpu injected into {target.field}[{target.index}]" if ops else "already injected"
+        decision: AdmissionOutcome = "warned" if verdict.warnings else "injected" if operations else "skipped"
+        reason = f"libvgpu injected into {target.field}[{target.index}]" if operations else "already injected"
         if verdict.warnings:
             reason += f"; {len(found)} policy finding(s)"
-        return _answer(request, review.allowed(request, ops, warnings), decision, reason, target.name, found, len(ops))
+        body = review.allowed(request, warnings=warnings, patch_json=patch_json)
+        return _answer(request, body, decision, reason, target.name, found, operations)
+
+    def _patch(self, view: PodView, target: Target, desired: Desired) -> tuple[bytes | None, int]:
+        """The patch serialised (None when empty) and its length; a pod that carries nothing of ours
+        gets the one its shape always gets."""
+        gate = readiness_gate_ops(view) if self.readiness_gate else []
+        if carries_nothing_of_ours(view, target, desired):
+            ops_json, operations = self.shapes.clean_patch(view, target, desired)
+            if gate:  # splice the gate's op onto the array: `[...]` + `,{...}]`
+                ops_json = ops_json[:-1] + b"," + orjson.dumps(gate)[1:]
+            return ops_json, operations + len(gate)
+        ops = plan_ops(view, target, desired) + gate
+        return (orjson.dumps(ops) if ops else None), len(ops)
 
 
 def _answer(request: AdmissionRequest, body: bytes, decision: AdmissionOutcome, reason: str, container: str | None = None,
