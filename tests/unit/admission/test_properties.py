@@ -1,8 +1,9 @@
 """Properties over generated pods: never a 5xx, every patch applies to its pod, the patched pod is a
 valid Kubernetes Pod (strict schema) whose target mounts its grant read-only, mutating it again changes
 nothing, the readiness-gated path adds exactly its one gate, `enforce` never admits a target without
-a confining seccomp profile, and an answer replayed for a body that differs only in its uid is the
-answer a fresh webhook gives."""
+a confining seccomp profile, the patch served ready-made to a pod that carries nothing of ours is the
+one computed for it, and an answer replayed for a body that differs only in its uid is the answer a
+fresh webhook gives."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kai_isolator.services.admission.mutation import GRANT_VOLUME, STATE_VOLUME, VGPU_VOLUME, InjectionConfig
+from kai_isolator.services.admission.mutation import (
+    GRANT_VOLUME, STATE_VOLUME, VGPU_VOLUME, InjectionConfig, NoTargetContainer, PodUnreadable, find_target, patch_ops, read_pod,
+    readiness_gate_ops,
+)
 from kai_isolator.services.admission.webhook import Webhook
 
 K8S_VERSION = "1.33"
@@ -179,3 +183,20 @@ def test_replaying_never_changes_an_answer(pod: dict[str, Any], mode: str, gated
     for _ in range(3):  # learned, verified, replayed
         raw = review(pod).replace(b'"uid":"u"', f'"uid":"{uuid.uuid4()}"'.encode(), 1)
         assert webhook.handle(raw) == Webhook(InjectionConfig(), mode, readiness_gate=gated).handle(raw)  # type: ignore[arg-type]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pod=pods(), gated=st.booleans())
+def test_every_patch_is_the_one_computed_for_the_pod(pod: dict[str, Any], gated: bool) -> None:
+    """Through the webhook twice (the second time the shape's patch is ready-made) and by patch_ops."""
+    webhook = Webhook(InjectionConfig(), "off", readiness_gate=gated)
+    try:
+        view = read_pod(pod)
+        target = find_target(view)
+    except (PodUnreadable, NoTargetContainer):
+        return
+    expected = patch_ops(view, target, InjectionConfig()) + (readiness_gate_ops(view) if gated else [])
+    for _ in range(2):
+        response = respond(webhook, pod)
+        if "patch" in response:  # not every pod is mutated (no annotation, opted out)
+            assert orjson.loads(base64.b64decode(response["patch"])) == expected
