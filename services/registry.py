@@ -13,7 +13,7 @@ from typing import Any
 
 # Order of `--help` and of start-up in `kai-isolator dev`: later ones use what earlier ones publish
 # (the devcluster registers the webhook the admission component started).
-SERVICES = ("admission", "devcluster", "sandbox", "certs", "watcher", "nodeagent", "installer", "verifier")
+SERVICES = ("admission", "devcluster", "certs", "watcher", "nodeagent", "installer", "verifier")
 
 
 def _modules(leaf: str) -> list[ModuleType]:
