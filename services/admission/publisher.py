@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
+from collections import Counter as Tally
 from collections import deque
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import NamedTuple
 
 import nats.errors
 import orjson
@@ -29,17 +32,26 @@ DROP_LOG_INTERVAL_S = 10.0
 SWEEP_INTERVAL_S = 0.1
 # Decisions gather this long before a round of sends: one write and one read of acks serve many, where
 # one at a time (a quiet webhook) would cost two system calls and several loop turns each.
-LINGER_S = 0.01
+LINGER_S = 0.025
 # JetStream API errors worth another try (no leader yet, cluster busy); not "insufficient resources".
 TRANSIENT_CODES = frozenset({None, 408, 500, 503})
 INSUFFICIENT_RESOURCES = 10023
+
+
+@functools.lru_cache(maxsize=1024)
+def _subject(namespace: str) -> str:
+    return AdmissionDecision.subject(_Namespace(namespace))  # type: ignore[arg-type]
+
+
+class _Namespace(NamedTuple):
+    namespace: str
 
 
 def encode_decision(record: DecisionRecord, source: str) -> tuple[str, str, bytes]:
     """Subject, Nats-Msg-Id and the CloudEvent bytes `shared.events.encode` writes for the
     AdmissionDecision of `record`, without building the model (DecodeError: no subject for it)."""
     # The model's own formats, applied to the record's fields of the same names.
-    subject = AdmissionDecision.subject(record)  # type: ignore[arg-type]
+    subject = _subject(record.namespace)
     msg_id = AdmissionDecision.dedup_id(record)  # type: ignore[arg-type]
     data = {
         "request_uid": record.request_uid, "namespace": record.namespace, "pod_name": record.pod_name,
@@ -93,6 +105,7 @@ class DecisionPublisher:
         self._drop_logged_at = float("-inf")
         published = runtime.metrics.published if runtime is not None else None
         self._outcomes = {k: published.labels(k) for k in ("stored", "duplicate", "retried", "failed")} if published else {}
+        self._tally: Tally[str] = Tally()  # acks counted here, added to the metrics by the sweep: a Counter locks per inc
         self.bus_ready = asyncio.Event()
 
     @property
@@ -133,6 +146,8 @@ class DecisionPublisher:
             while not task.done():
                 task.cancel()
                 await asyncio.wait({task}, timeout=0.1)
+        if self._outcomes:
+            self._count_acks()
         for _ in range(self.pending):
             self._counters.dropped["publish_failed"].inc()
         self._buffer.clear()
@@ -198,8 +213,9 @@ class DecisionPublisher:
                 self._counters.dropped["publish_failed"].inc()
                 self._runtime_outcome("failed")
         else:
-            self._counters.published.inc()
-            self._runtime_outcome("duplicate" if b'"duplicate":true' in data else "stored")
+            self._tally["duplicate" if b'"duplicate":true' in data else "stored"] += 1
+            if not self._inflight:
+                self._count_acks()  # the round is in: the counts are current whenever nothing is outstanding
         if self._buffer and not self._wake.is_set():
             self._wake.set()
 
@@ -233,6 +249,14 @@ class DecisionPublisher:
                     await self._send(entry)
             if self._buffer:
                 self._wake.set()
+            self._count_acks()
+
+    def _count_acks(self) -> None:
+        stored, duplicate = self._tally.pop("stored", 0), self._tally.pop("duplicate", 0)
+        if stored or duplicate:
+            self._counters.published.inc(stored + duplicate)
+            self._outcomes["stored"].inc(stored)
+            self._outcomes["duplicate"].inc(duplicate)
 
     def _runtime_outcome(self, outcome: str) -> None:
         self._outcomes[outcome].inc()  # the bus's own count, as Runtime.publish keeps it
