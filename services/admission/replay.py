@@ -15,6 +15,8 @@ from .review import KIND, AdmissionRequest
 _SPLICEABLE = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 CAPACITY = 256
 PER_KEY = 4  # workloads whose bodies share the bytes before the uid and the length
+# Larger bodies are always decided in full: the templates hold at most CAPACITY * this many bytes.
+MAX_BODY_BYTES = 64 * 1024
 
 
 class Template:
@@ -101,7 +103,7 @@ class Replays:
 def _cut(raw: bytes, request: AdmissionRequest, answer: Answer) -> Template | None:
     """A template from a decided body, when its uid can be found verbatim in both body and answer."""
     uid = request.uid.encode()
-    if answer.record is None or not _SPLICEABLE.fullmatch(uid):
+    if answer.record is None or len(raw) > MAX_BODY_BYTES or not _SPLICEABLE.fullmatch(uid):
         return None
     start = raw.find(b'"' + uid + b'"') + 1
     if start == 0:

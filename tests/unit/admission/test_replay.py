@@ -86,7 +86,7 @@ def test_uids_json_would_escape_are_not_spliced() -> None:
     assert len(replays) == 0
 
 
-def test_the_set_of_templates_is_bounded() -> None:
+def test_the_set_of_templates_is_bounded_in_number_and_body_size() -> None:
     webhook = Webhook(InjectionConfig(), "warn")
     webhook.replays = Replays(capacity=8)
     for i in range(40):
@@ -94,3 +94,9 @@ def test_the_set_of_templates_is_bounded() -> None:
         pod["metadata"]["name"] = "p" * (i + 1)  # lengths apart: one key each
         webhook.handle(body(pod, str(uuid.uuid4())))
     assert len(webhook.replays) == 8
+    large = Webhook(InjectionConfig(), "warn")
+    pod = gpu_pod()
+    pod["spec"]["containers"][0]["env"] = [{"name": f"V{i}", "value": "x" * 100} for i in range(1000)]  # ~120 KB
+    for _ in range(3):
+        large.handle(body(pod, str(uuid.uuid4())))
+    assert len(large.replays) == 0
