@@ -239,7 +239,16 @@ class Runtime:
             max_deliver=self.settings.max_deliver,
             deliver_policy=binding.deliver_policy,
         )
-        psub = await self._js.pull_subscribe(binding.filter_subject, durable=binding.durable, stream=subjects.STREAM_NAME, config=config)
+        # As provisioning does: a cluster just formed or electing may time out the consumer's info/create
+        # (seen: a verifier replica exiting at start beside another on a new three-node cluster).
+        for attempt in range(PROVISION_ATTEMPTS):
+            try:
+                psub = await self._js.pull_subscribe(binding.filter_subject, durable=binding.durable, stream=subjects.STREAM_NAME, config=config)
+                break
+            except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError):
+                await asyncio.sleep(min(2.0, 0.25 * 2 ** attempt))
+        else:
+            raise BusError(f"cannot bind consumer {binding.durable}: JetStream kept timing out or being unavailable")
         binding.bound = True
         return psub
 
@@ -520,10 +529,15 @@ INSUFFICIENT_RESOURCES = 10023
 REPLICAS_NOT_SUPPORTED = 10074
 """... and when a single (non-clustered) server is asked for more than one replica."""
 STREAM_NAME_IN_USE = 10058
+DUPLICATE_IN_PROCESS = 10158
+"""409 "duplicate message id is in process": a retry while the first send is still being replicated (a leader
+killed or partitioned mid-proposal); that first send may yet be lost with it, so this is "ask again", not "stored"."""
 
 
 def is_transient(error: nats.js.errors.APIError) -> bool:
-    """A JetStream API answer that means "not now" (no leader yet, cluster busy), not "never"."""
+    """A JetStream API answer that means "not now" (no leader yet, cluster busy, the same id still in flight), not "never"."""
+    if error.err_code == DUPLICATE_IN_PROCESS:
+        return True
     return error.code in (None, 408, 500, 503) and error.err_code != INSUFFICIENT_RESOURCES
 
 
