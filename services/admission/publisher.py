@@ -12,13 +12,13 @@ from collections import Counter as Tally
 from collections import deque
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import NamedTuple
 
 import nats.errors
 import orjson
 from nats.aio.msg import Msg
 from prometheus_client import Counter
 
+from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import HEADERS_CONTENT_TYPE, Runtime
 from kai_isolator.shared.errors import DecodeError
 from kai_isolator.shared.events import AdmissionDecision
@@ -40,28 +40,26 @@ INSUFFICIENT_RESOURCES = 10023
 
 @functools.lru_cache(maxsize=1024)
 def _subject(namespace: str) -> str:
-    return AdmissionDecision.subject(_Namespace(namespace))  # type: ignore[arg-type]
+    return subjects.admission(namespace)
 
 
-class _Namespace(NamedTuple):
-    namespace: str
-
-
-def encode_decision(record: DecisionRecord, source: str) -> tuple[str, str, bytes]:
+def encode_decision(record: DecisionRecord, source: str, decided_at: float | None = None) -> tuple[str, str, bytes]:
     """Subject, Nats-Msg-Id and the CloudEvent bytes `shared.events.encode` writes for the
-    AdmissionDecision of `record`, without building the model (DecodeError: no subject for it)."""
-    # The model's own formats, applied to the record's fields of the same names.
-    subject = _subject(record.namespace)
-    msg_id = AdmissionDecision.dedup_id(record)  # type: ignore[arg-type]
+    AdmissionDecision of `record` (time: `decided_at`, a POSIX time, or now), without building
+    the model (DecodeError: no subject for it). tests/unit/admission/test_publisher.py holds the
+    two to the same event."""
+    uid, namespace, pod_name = record.request_uid, record.namespace, record.pod_name
+    subject = _subject(namespace)
+    msg_id = f"admission:{uid}"  # AdmissionDecision.dedup_id
     data = {
-        "request_uid": record.request_uid, "namespace": record.namespace, "pod_name": record.pod_name,
-        "decision": record.decision, "reason": record.reason, "container": record.container,
-        "findings": list(record.findings), "patch_operations": record.patch_operations,
+        "request_uid": uid, "namespace": namespace, "pod_name": pod_name, "decision": record.decision,
+        "reason": record.reason, "container": record.container, "findings": record.findings,
+        "patch_operations": record.patch_operations,
     }
     envelope = {
-        "specversion": "1.0", "id": msg_id, "source": source, "type": EVENT_TYPE,
-        "subject": AdmissionDecision.event_subject(record),  # type: ignore[arg-type]
-        "time": datetime.now(timezone.utc), "datacontenttype": "application/json", "data": data,
+        "specversion": "1.0", "id": msg_id, "source": source, "type": EVENT_TYPE, "subject": f"{namespace}/{pod_name}",
+        "time": datetime.fromtimestamp(time.time() if decided_at is None else decided_at, timezone.utc),
+        "datacontenttype": "application/json", "data": data,
     }
     return subject, msg_id, orjson.dumps(envelope, option=orjson.OPT_UTC_Z)
 
@@ -95,7 +93,7 @@ class DecisionPublisher:
         self._counters = counters
         self._capacity = capacity
         self._window = window
-        self._buffer: deque[DecisionRecord] = deque()
+        self._buffer: deque[tuple[DecisionRecord, float]] = deque()  # with when it was decided
         self._inflight: dict[str, _InFlight] = {}
         self._next_token = 0
         self._inbox = ""
@@ -119,7 +117,7 @@ class DecisionPublisher:
         elif len(self._buffer) + len(self._inflight) >= self._capacity:
             self._drop_full()
         else:
-            self._buffer.append(record)
+            self._buffer.append((record, time.time()))
             if not self._wake.is_set():
                 self._wake.set()
 
@@ -175,24 +173,24 @@ class DecisionPublisher:
 
     async def _send_buffered(self) -> None:
         assert self._runtime is not None
-        settings, source = self._runtime.settings, self._runtime.service
-        while self._buffer and len(self._inflight) < self._window:
-            record = self._buffer.popleft()
+        source, buffer, inflight = self._runtime.service, self._buffer, self._inflight
+        now = time.monotonic()
+        deadline = now + self._runtime.settings.publish_retry_s
+        while buffer and len(inflight) < self._window:
+            record, decided_at = buffer.popleft()
             try:
-                subject, msg_id, data = encode_decision(record, source)
+                subject, msg_id, data = encode_decision(record, source, decided_at)
             except DecodeError:
                 self._counters.dropped["unroutable"].inc()  # no namespace a subject can carry
                 continue
-            entry = _InFlight(subject, data, {"Nats-Msg-Id": msg_id, "Content-Type": HEADERS_CONTENT_TYPE},
-                              time.monotonic() + settings.publish_retry_s)
-            await self._send(entry)
+            await self._send(_InFlight(subject, data, {"Nats-Msg-Id": msg_id, "Content-Type": HEADERS_CONTENT_TYPE}, deadline), now)
 
-    async def _send(self, entry: _InFlight) -> None:
+    async def _send(self, entry: _InFlight, now: float) -> None:
         assert self._runtime is not None
         self._next_token += 1
         token = str(self._next_token)
         self._inflight[token] = entry
-        entry.sent_at, entry.resend_at = time.monotonic(), None
+        entry.sent_at, entry.resend_at = now, None
         entry.attempts += 1
         try:
             await self._runtime.connection.publish(entry.subject, entry.data, reply=f"{self._inbox}.{token}", headers=entry.headers)
@@ -246,7 +244,7 @@ class DecisionPublisher:
                     self._runtime_outcome("failed")
                 else:
                     self._runtime_outcome("retried")
-                    await self._send(entry)
+                    await self._send(entry, now)
             if self._buffer:
                 self._wake.set()
             self._count_acks()
