@@ -2,7 +2,8 @@
 
 Pods to re-verify, the last observation per container, negative looks awaiting a second one and
 the library version per node live in a KV bucket, so a restart repeats no verdict and forgets no
-pod, and replicas sharing the work see one state.
+pod, and replicas sharing the work see one state. A periodic pass costs what is live and due: it
+lists keys (one request per kind, `records.py`) and reads only the pods it is about to look at.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ from kai_isolator.shared.errors import IsolatorError
 from kai_isolator.shared.events import HealthVerdict, InspectReply, InspectRequest, NodeStatus, PodIsolation, UsageReport
 from kai_isolator.shared.lease import Lease
 
+from . import records
+from .inflight import InFlight
 from .judge import Judgement, judge, judge_unobservable, judge_without_inspection
 from .kube import PodNotifier
+from .records import PENDING, POD, UNSEEN, VERDICT
 from .settings import VerifierSettings
 from .view import NodeViews
 
@@ -99,6 +103,10 @@ class Verifier:
         self.passes = Counter("kai_isolator_reverify_passes", "Periodic re-verification passes, by outcome (ok, failed, standby: "
                               "another replica runs them)", ["outcome"], registry=registry)
         self.deferred = Counter("kai_isolator_verdicts_deferred", "Negative observations held for a second look before any verdict", registry=registry)
+        self.in_flight = InFlight()
+        # Pods without a verdict at the last pass: a pod new since is left to its event handler (here
+        # or on another replica, mid-verification) for one pass before the pass retries it.
+        self._unjudged_at_last_pass: set[str] = set()
 
     def bind(self) -> None:
         self.runtime.on_event("pods", subjects.ALL_PODS, self.on_pod)
@@ -205,14 +213,21 @@ class Verifier:
 
     # --- verification ---------------------------------------------------------------------
 
-    async def verify(self, pod: PodIsolation) -> HealthVerdict | None:
+    async def verify(self, pod: PodIsolation, *, unless_in_flight: bool = False) -> HealthVerdict | None:
         """Emit the verdict for this pod unless this exact observation was already emitted.
 
         A negative verdict from one look inside the container is held until a second look, at
         least `confirm_negative_after_s` later, sees the same: a container being set up (its
         set-up process already in the pod's cgroup, the preload not yet mounted) is not yet
         what it will run as. None when nothing was emitted.
+
+        One verification of a pod at a time in this replica: a second waits for the first, or,
+        `unless_in_flight`, is dropped (None) at once.
         """
+        async with self.in_flight.claim(pod.pod.uid, wait=not unless_in_flight) as claimed:
+            return await self._verify(pod) if claimed else None
+
+    async def _verify(self, pod: PodIsolation) -> HealthVerdict | None:
         started = time.perf_counter()
         judgement, one_look = judge_without_inspection(pod), False
         if judgement is None:
@@ -240,13 +255,13 @@ class Verifier:
 
     @staticmethod
     def _pending_key(pod: PodIsolation) -> str:
-        return f"pending.{pod.pod.uid}.{pod.container or '-'}"
+        return records.container_key(PENDING, pod)
 
     async def _pending(self, pod: PodIsolation) -> PendingRecord | None:
+        entry = await self._read(self._pending_key(pod))
         try:
-            entry = await self._kv.get(self._pending_key(pod))
-            return PendingRecord.model_validate_json(entry.value or b"")
-        except (KeyNotFoundError, ValueError):
+            return PendingRecord.model_validate_json(entry.value or b"") if entry is not None else None
+        except ValueError:
             return None
 
     async def _seen_twice(self, pod: PodIsolation, judgement: Judgement) -> bool:
@@ -262,17 +277,21 @@ class Verifier:
         return False
 
     async def _drop_pending(self, pod: PodIsolation) -> None:
-        if await self._pending(pod) is not None:
-            await self._kv.purge(self._pending_key(pod))
+        # Removed from the stream, not purged: a marker would keep the pod listed as pending. Up to
+        # the record read only, so a look recorded meanwhile (another replica's) stays.
+        key = self._pending_key(pod)
+        entry = await self._read(key)
+        if entry is not None:
+            await records.remove(self.runtime, self.settings.health_bucket, key, before_revision=(entry.revision or 0) + 1)
 
     @staticmethod
     def _verdict_key(pod: PodIsolation) -> str:
-        return f"verdict.{pod.pod.uid}.{pod.container or '-'}"
+        return records.container_key(VERDICT, pod)
 
     async def _judge_inspected(self, pod: PodIsolation) -> tuple[Judgement, bool]:
         """The verdict from the node agent's view, and whether it rests on this one look;
         `unobservable` (already many looks) once the agent kept finding nothing."""
-        key = f"unseen.{pod.pod.uid}.{pod.container or '-'}"
+        key = records.container_key(UNSEEN, pod)
         try:
             reply = await self._inspect(pod)
         except NoProcessSeen:
@@ -325,23 +344,31 @@ class Verifier:
             self.verdicts.labels(judgement.verdict, "none").inc()
 
     async def _last_observation(self, key: str) -> str | None:
+        entry = await self._read(key)
+        return VerdictRecord.model_validate_json(entry.value).observation if entry is not None and entry.value else None
+
+    async def _read(self, key: str) -> KeyValue.Entry | None:
+        """The key's entry, None when it has none. A delete or purge marker met (written by an older
+        version, which purged through the KV API) is removed from the stream, so no listing shows it again."""
         try:
-            entry = await self._kv.get(key)
-        except KeyNotFoundError:
+            return await self._kv.get(key)
+        except KeyNotFoundError as error:
+            if (revision := _marker_revision(error)) is not None:
+                await records.remove(self.runtime, self.settings.health_bucket, key, before_revision=revision + 1)
             return None
-        return VerdictRecord.model_validate_json(entry.value or b"{}").observation if entry.value else None
 
     # --- the set of pods to re-verify -----------------------------------------------------
 
     async def _remember(self, pod: PodIsolation) -> None:
-        await self._kv.put(f"pod.{pod.pod.uid}", pod.model_dump_json().encode())
+        await self._kv.put(records.pod_key(pod.pod.uid), pod.model_dump_json().encode())
 
     async def _forget(self, pod: PodIsolation) -> None:
         # The tombstone stops a late redelivery of the pod's `running` event from reviving it.
         await self._kv.put(f"gone.{pod.pod.uid}", b"")
-        for key in (f"pod.{pod.pod.uid}", self._verdict_key(pod), f"unseen.{pod.pod.uid}.{pod.container or '-'}", self._pending_key(pod)):
-            with contextlib.suppress(KeyNotFoundError):
-                await self._kv.purge(key)
+        # After this replica's verification of the pod, if one is in flight: else it would write its
+        # verdict back after the removal, a record of a pod nobody tracks.
+        async with self.in_flight.claim(pod.pod.uid):
+            await records.remove_pod(self.runtime, self.settings.health_bucket, pod.pod.uid)
 
     async def _is_gone(self, pod: PodIsolation) -> bool:
         try:
@@ -352,18 +379,58 @@ class Verifier:
 
     async def tracked_pods(self) -> list[PodIsolation]:
         """The pods to re-verify (BusError or a NATS error while the bus is away)."""
+        return await self._read_pods(await self._listed(POD))
+
+    async def _listed(self, kind: str) -> set[str]:
+        return await records.listed_uids(self.runtime, self.settings.health_bucket, kind)
+
+    async def _read_pods(self, uids: set[str]) -> list[PodIsolation]:
         pods = []
-        for key in await self.runtime.kv_keys(self.settings.health_bucket, "pod.>"):
-            with contextlib.suppress(KeyNotFoundError):  # forgotten since the listing (purged keys are listed)
-                entry = await self._kv.get(key)
-                if entry.value:
-                    pods.append(PodIsolation.model_validate_json(entry.value))
+        for uid in sorted(uids):
+            if (pod := await self._read_pod(uid)) is not None:
+                pods.append(pod)
         return pods
 
+    async def _read_pod(self, uid: str) -> PodIsolation | None:
+        """The tracked pod, None when forgotten since the listing. A purge marker an older version left
+        (it purged through the KV API) is removed with the pod's other keys: it is never listed again."""
+        key = records.pod_key(uid)
+        try:
+            entry = await self._kv.get(key)
+        except KeyNotFoundError as error:
+            if (revision := _marker_revision(error)) is not None:
+                await records.remove(self.runtime, self.settings.health_bucket, key, before_revision=revision + 1)
+                await records.remove_container_keys(self.runtime, self.settings.health_bucket, uid)
+            return None
+        return PodIsolation.model_validate_json(entry.value) if entry.value else None
+
+    async def due_pods(self, full: bool) -> list[PodIsolation]:
+        """The pods a pass looks at: every tracked one when `full`; else those without a verdict since
+        the last pass, and those with a negative look awaiting its second. Listings, then reads of these only."""
+        # Listed before the pods: a pod's verdict and looks are written after its record, so one whose
+        # pod is not listed after them belongs to a forgotten pod (its removal raced a verification).
+        judged, pending = await self._listed(VERDICT), await self._listed(PENDING)
+        live = await self._listed(POD)
+        unjudged = live - judged
+        due = live if full else (unjudged & self._unjudged_at_last_pass) | (pending & live)
+        self._unjudged_at_last_pass = unjudged
+        await self._remove_orphans((judged | pending) - live)
+        pods = await self._read_pods(due)
+        return pods if full else [pod for pod in pods if await self._still_due(pod)]
+
+    async def _still_due(self, pod: PodIsolation) -> bool:
+        """The listings' answer for this pod's own container, read now (a verdict may have landed since)."""
+        return await self._last_observation(self._verdict_key(pod)) is None or await self._pending(pod) is not None
+
+    async def _remove_orphans(self, uids: set[str]) -> None:
+        for uid in sorted(uids):
+            await records.remove_container_keys(self.runtime, self.settings.health_bucket, uid)
+
     async def reverify_forever(self) -> None:
-        """Every pod each `reverify_s`; pods without a verdict yet (agent was silent) or with a
-        negative look awaiting its second one each `pending_retry_s`. A pass that fails (NATS
-        away) is logged and counted, and the next one runs on time: this loop never ends early."""
+        """Every pod each `reverify_s`; pods without a verdict yet (agent was silent; from the second
+        pass that finds them so) or with a negative look awaiting its second one each `pending_retry_s`.
+        A pass that fails (NATS away) is logged and counted, and the next one runs on time: this loop
+        never ends early."""
         tick = min(self.settings.reverify_s, self.settings.pending_retry_s)
         since_full = 0.0
         while True:
@@ -374,7 +441,7 @@ class Verifier:
                 self.passes.labels("standby").inc()
                 continue
             try:
-                await self._reverify_pass(full)
+                await self.reverify_pass(full)
             except BUS_FAILURES as error:
                 self.passes.labels("failed").inc()
                 log.warning("re-verification pass failed; retrying next pass", extra={"full": full, "error": f"{type(error).__name__}: {error}"})
@@ -395,14 +462,14 @@ class Verifier:
             await self.pass_lease.acquire()
             await self.pass_lease.keep()
 
-    async def _reverify_pass(self, full: bool) -> None:
-        for pod in await self.tracked_pods():
-            if full or await self._last_observation(self._verdict_key(pod)) is None or await self._pending(pod) is not None:
-                await self._verify_logged(pod)
+    async def reverify_pass(self, full: bool) -> None:
+        """One pass over the due pods (every pod when `full`); a pod being verified here already is left to that verification."""
+        for pod in await self.due_pods(full):
+            await self._verify_logged(pod, unless_in_flight=True)
 
-    async def _verify_logged(self, pod: PodIsolation) -> None:
+    async def _verify_logged(self, pod: PodIsolation, *, unless_in_flight: bool = False) -> None:
         try:
-            await self.verify(pod)
+            await self.verify(pod, unless_in_flight=unless_in_flight)
         except BUS_FAILURES as error:
             log.warning("re-verification deferred", extra={"pod": f"{pod.pod.namespace}/{pod.pod.name}", "error": f"{type(error).__name__}: {error}"})
 
@@ -414,3 +481,9 @@ def _node_version(value: bytes | None) -> NodeVersionRecord | None:
         return NodeVersionRecord.model_validate_json(value)
     except ValueError:
         return None
+
+
+def _marker_revision(error: KeyNotFoundError) -> int | None:
+    """The revision of the delete or purge marker a read met; None when the key has no message at all."""
+    marker = getattr(error, "entry", None)
+    return marker.revision if marker is not None and marker.revision else None

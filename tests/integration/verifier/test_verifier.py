@@ -343,3 +343,117 @@ async def test_one_replica_runs_the_periodic_passes_and_another_takes_them_over(
     finally:
         if not stopped:
             await first_running.__aexit__(None, None, None)
+
+
+# --- what a pass costs, and what it leaves alone ------------------------------------------
+
+BUCKET = "isolator-pod-health"
+NO_PASSES = dict(kubernetes_events=False, reverify_s=3600, pending_retry_s=3600, confirm_negative_after_s=0)
+
+
+def count_reads(verifier: Verifier, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every key the verifier reads from its bucket from now on, in order."""
+    kv = verifier.runtime.kv(BUCKET)
+    reads: list[str] = []
+    original = kv.get
+
+    async def get(key: str, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        reads.append(key)
+        return await original(key, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kv, "get", get)
+    return reads
+
+
+async def test_a_pass_reads_no_key_of_a_forgotten_pod(
+    agent: ScriptedAgent, bus_settings: BusSettings, start_runtime: RuntimeFactory, verdicts: list[HealthVerdict],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The verifier's own passes are off: the test runs them, and counts what they read.
+    gone = [f"gone-{i}" for i in range(30)]
+    agent.limits.update({name: "4147m" for name in ["live", *gone]})
+    publisher = await start_runtime("watcher-stand-in")
+    async with running(VerifierSettings(**NO_PASSES), bus_settings, bus_settings.nats_url or "") as verifier:
+        handled_ok = verifier.runtime.metrics.handled.labels("verifier-pods", "ok")._value.get
+        for name in ["live", *gone]:
+            await publisher.publish(pod_event(name))
+        await eventually(lambda: len(verdicts) == 31)
+        for name in gone:
+            await publisher.publish(pod_event(name, state="deleted", resource_version="7"))
+        await eventually(lambda: handled_ok() == 61)
+        # Keys an older version left: it purged through the KV API, so a marker stayed listed per key.
+        kv = verifier.runtime.kv(BUCKET)
+        old = [f"uid-old-{i}" for i in range(10)]
+        for uid in old:
+            for key in (f"pod.{uid}", f"verdict.{uid}.main", f"pending.{uid}.main"):
+                await kv.put(key, b"{}")
+                await kv.purge(key)
+
+        reads = count_reads(verifier, monkeypatch)
+        await verifier.reverify_pass(full=True)
+        assert not [key for key in reads if "uid-gone-" in key]  # the forgotten pods' keys are not even listed
+        assert {key for key in reads if "uid-old-" in key} == {f"pod.{uid}" for uid in old}  # an old marker is read once ...
+        assert await verifier.runtime.kv_keys(BUCKET, "pod.>") == ["pod.uid-live"]  # ... and listed no more
+        assert await verifier.runtime.kv_keys(BUCKET, "verdict.>") == ["verdict.uid-live.main"]
+        assert await verifier.runtime.kv_keys(BUCKET, "pending.>") == []
+
+        reads.clear()
+        await verifier.reverify_pass(full=True)
+        assert reads and {key.split(".")[1] for key in reads} == {"uid-live"}  # every pass: the live pod's keys only
+        reads.clear()
+        await verifier.reverify_pass(full=False)
+        assert reads == []  # nothing due: the live pod has its verdict and no look awaiting a second
+        assert [v.pod.name for v in verdicts].count("live") == 1
+
+
+class GatedAgent(ScriptedAgent):
+    """Answers an inspection of a gated pod only once the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def inspect(self, request: InspectRequest) -> InspectReply:
+        self.requests.append(request)
+        await self.gate.wait()
+        self.requests.pop()  # counted once, as asked
+        return await super().inspect(request)
+
+
+async def test_a_pod_whose_verification_is_in_flight_is_not_judged_again_by_a_pass(
+    bus_settings: BusSettings, start_runtime: RuntimeFactory, verdicts: list[HealthVerdict],
+) -> None:
+    agent = GatedAgent()
+    agent.limits["slow"] = "4147m"
+    await start_runtime("agent", lambda r: r.on_request(subjects.node_inspect("gpu-1"), agent.inspect))
+    publisher = await start_runtime("watcher-stand-in")
+    settings = VerifierSettings(**{**NO_PASSES, "inspect_timeout_s": 60})
+    async with running(settings, bus_settings, bus_settings.nats_url or "") as verifier:
+        try:
+            await publisher.publish(pod_event("slow"))
+            await eventually(lambda: len(agent.requests) == 1)  # its event's verification waits on the agent
+            assert verifier.in_flight.busy("uid-slow")
+            for full in (True, False, False):
+                await verifier.reverify_pass(full)  # returns at once: the pod is left to the verification in flight
+            assert len(agent.requests) == 1 and verdicts == []
+            assert await verifier.verify(pod_event("slow"), unless_in_flight=True) is None and len(agent.requests) == 1
+        finally:
+            agent.gate.set()
+        await eventually(lambda: len(verdicts) == 1)
+        assert [v.verdict for v in verdicts] == ["verified"] and len(agent.requests) == 1
+        await eventually(lambda: len(verifier.in_flight) == 0)  # a claim nobody holds takes no memory
+
+
+async def test_a_pod_without_a_verdict_is_left_to_its_event_handler_for_one_pass(
+    agent: ScriptedAgent, bus_settings: BusSettings, verdicts: list[HealthVerdict],
+) -> None:
+    # As when another replica's handler is verifying it right now: a pass retries it only once it was
+    # already without a verdict at the pass before.
+    agent.limits["p1"] = "4147m"
+    async with running(VerifierSettings(**NO_PASSES), bus_settings, bus_settings.nats_url or "") as verifier:
+        await verifier.runtime.kv(BUCKET).put("pod.uid-p1", pod_event("p1").model_dump_json().encode())
+        await verifier.reverify_pass(full=False)
+        assert agent.requests == []
+        await verifier.reverify_pass(full=False)
+        assert len(agent.requests) == 1
+        await eventually(lambda: [v.verdict for v in verdicts] == ["verified"])
