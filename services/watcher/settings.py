@@ -27,7 +27,7 @@ class WatcherSettings(BaseSettings):
     backoff_max_s: float = Field(10.0, gt=0)
     resume_bucket: str = Field("isolator-watch-resume", pattern=r"^[A-Za-z0-9_-]+$")
     state_bucket: str = Field("isolator-pod-state", pattern=r"^[A-Za-z0-9_-]+$")
-    lanes: int = Field(32, ge=1, le=1024, description="pods handled side by side; one pod's changes always in order on one lane")
+    lanes: int = Field(64, ge=1, le=1024, description="pods handled side by side; one pod's changes always in order on one lane")
     max_in_flight: int = Field(2048, ge=1, description="changes read but not yet fully handled; the watch is not read beyond this")
     lease_ttl_s: float = Field(10.0, ge=0.5, le=300, description="active/standby: a standby takes over after the leader's lease went unrenewed this long")
 
