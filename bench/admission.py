@@ -194,7 +194,7 @@ async def main(seconds: float, rounds: int, with_nats: bool) -> None:
         for name, process in processes.items():
             await wait_up(urls[name], context, process)
         print(f"admission webhook benchmark: {len(workload[0])}-byte AdmissionReviews, TLS keep-alive, {seconds:g} s per run, "
-              f"{rounds} round(s), cpus={os.cpu_count()}")
+              f"{rounds} round(s), cpus={os.cpu_count()}, load average {os.getloadavg()[0]:.1f}")
         results: dict[tuple[str, int], list[dict[str, float]]] = {}
         for _ in range(rounds):
             for in_flight in (1, 50):
@@ -202,6 +202,7 @@ async def main(seconds: float, rounds: int, with_nats: bool) -> None:
                     results.setdefault((name, in_flight), []).append(
                         await measure(urls[server], context, bodies, in_flight, seconds, processes[server].pid))
         report(summarise(results), list(variants))
+        print(f"load average at the end: {os.getloadavg()[0]:.1f} (other work on the cores inflates every CPU figure alike)")
     finally:
         for process in processes.values():
             process.terminate()
