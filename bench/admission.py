@@ -11,7 +11,8 @@ Two body sets: `ours` gets one workload's pods, bodies that differ only in reque
 controller creating a ReplicaSet's pods sends them (the webhook replays its verified answer);
 `ours-distinct` gets 512 different pods of the same size (name and env values differ), so every
 request is decided in full. With --with-nats a third server publishes every decision to an embedded
-NATS; the cost of that per decision is its CPU per request minus ours', same run.
+NATS; the cost of that per decision is its CPU per request minus ours', same run, and (less noisy) the
+publisher measured alone in this process, interleaved rounds with and without the bus.
 Goals (issue 15): server CPU per request <= 1.3x bare at 50 in flight; publishing <= 15 us of webhook
 CPU per decision; p99 <= 0.8 ms at 1 in flight.
 
@@ -202,6 +203,8 @@ async def main(seconds: float, rounds: int, with_nats: bool) -> None:
                     results.setdefault((name, in_flight), []).append(
                         await measure(urls[server], context, bodies, in_flight, seconds, processes[server].pid))
         report(summarise(results), list(variants))
+        if nats is not None:
+            await publisher_cost(nats.url, rounds)
         print(f"load average at the end: {os.getloadavg()[0]:.1f} (other work on the cores inflates every CPU figure alike)")
     finally:
         for process in processes.values():
@@ -209,6 +212,47 @@ async def main(seconds: float, rounds: int, with_nats: bool) -> None:
             process.wait()
         if nats is not None:
             nats.stop()
+
+
+async def publisher_cost(url: str, rounds: int, decisions: int = 20_000) -> None:
+    """The publisher alone, in this process: CPU per decision offered in bursts of 25 and published
+    to NATS, minus the same offers with no bus; interleaved rounds, without the HTTP side's noise."""
+    from prometheus_client import CollectorRegistry
+
+    from kai_isolator.services.admission.answer import DecisionRecord
+    from kai_isolator.services.admission.publisher import DecisionPublisher
+    from kai_isolator.services.admission.server import Metrics
+    from kai_isolator.shared.bus import Runtime
+    from kai_isolator.shared.settings import BusSettings
+
+    async def one_round(runtime: Runtime | None, tag: str) -> float:
+        metrics = Metrics(CollectorRegistry(), lambda: 0)
+        publisher = DecisionPublisher(runtime, metrics.publishing, decisions, 256)
+        publisher.start()
+        publisher.bus_ready.set()
+        await asyncio.sleep(0.1)
+        started = time.process_time()
+        for i in range(decisions):
+            publisher.offer(DecisionRecord(f"{tag}-{i}", "team-a", "train-7f9c", "injected", "libvgpu injected into containers[0]", "app", (), 9))
+            if i % 25 == 24:
+                await asyncio.sleep(0.002)
+        while publisher.pending:
+            await asyncio.sleep(0.002)
+        spent = time.process_time() - started
+        await publisher.stop()
+        return spent / decisions * 1e6
+
+    runtime = Runtime("admission", BusSettings(nats_url=url))
+    await runtime.start(url)
+    try:
+        without, with_bus = [], []
+        for r in range(rounds):
+            without.append(await one_round(None, f"none-{r}-{uuid.uuid4()}"))
+            with_bus.append(await one_round(runtime, f"bus-{r}-{uuid.uuid4()}"))
+    finally:
+        await runtime.stop()
+    print(f"publisher alone: {statistics.median(with_bus) - statistics.median(without):.1f} us of CPU per decision published "
+          f"(median of {rounds} rounds; best {min(with_bus) - min(without):.1f}; goal <= 15 us)")
 
 
 def summarise(results: dict[tuple[str, int], list[dict[str, float]]]) -> dict[tuple[str, int], dict[str, float]]:
