@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 from prometheus_client import Counter
 
 from kai_isolator.shared import subjects
-from kai_isolator.shared.bus import HEADERS_CONTENT_TYPE, Runtime
+from kai_isolator.shared.bus import DUPLICATE_IN_PROCESS, HEADERS_CONTENT_TYPE, Runtime
 from kai_isolator.shared.errors import DecodeError
 from kai_isolator.shared.events import AdmissionDecision
 
@@ -266,6 +266,8 @@ def _transient(data: bytes) -> bool:
         return True
     with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
         error = orjson.loads(data)["error"]
+        if error.get("err_code") == DUPLICATE_IN_PROCESS:
+            return True  # 409: the first send still being replicated (its leader killed or partitioned): ask again
         return error.get("code") in TRANSIENT_CODES and error.get("err_code") != INSUFFICIENT_RESOURCES
     return False
 
