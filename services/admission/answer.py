@@ -21,6 +21,9 @@ class DecisionRecord(NamedTuple):
     container: str | None = None
     findings: tuple[str, ...] = ()
     patch_operations: int = 0
+    # A dry run (`kubectl apply --dry-run=server`) creates nothing: its decision is counted but never published,
+    # as `sideEffects: None` promises the API server.
+    dry_run: bool = False
 
 
 class Answer(NamedTuple):

@@ -236,7 +236,8 @@ class AdmissionServer:
             metrics.bad_requests += 1
         else:
             metrics.decisions[record.decision] += 1
-            self.publisher.offer(record)
+            if not record.dry_run:
+                self.publisher.offer(record)
             # Denials and warnings are rare and worth a line; every decision only when debugging.
             if record.decision in ("denied", "warned") or log.isEnabledFor(logging.DEBUG):
                 log.log(logging.INFO if record.decision in ("denied", "warned") else logging.DEBUG, "admission decision", extra={

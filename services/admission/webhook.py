@@ -62,7 +62,7 @@ class Webhook:
         except Exception as error:  # noqa: BLE001 - a webhook bug must still answer, never hang or drop
             log.exception("admission failed", extra={"uid": request.uid, "namespace": request.namespace})
             message = f"kai-resource-isolator webhook error: {type(error).__name__}"
-            record = DecisionRecord(request.uid, request.namespace, pod_name_of(request.object), "denied", message)
+            record = DecisionRecord(request.uid, request.namespace, pod_name_of(request.object), "denied", message, dry_run=request.dry_run)
             return Answer(200, review.errored(request.uid, message, request.api_version), JSON, record)
         self.replays.learn(raw, request, answer, fitted)
         return answer
@@ -118,7 +118,7 @@ class Webhook:
 def _answer(request: AdmissionRequest, body: bytes, decision: AdmissionOutcome, reason: str, container: str | None = None,
             found: list[str] | tuple[str, ...] = (), operations: int = 0) -> Answer:
     record = DecisionRecord(request.uid, request.namespace, pod_name_of(request.object), decision, reason, container,
-                            tuple(found), operations)
+                            tuple(found), operations, request.dry_run)
     return Answer(200, body, JSON, record)
 
 

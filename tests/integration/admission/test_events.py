@@ -67,6 +67,26 @@ async def test_every_decision_is_published(
     assert metric(server, "kai_isolator_admission_events_published_total") == 4
 
 
+async def test_a_dry_run_is_answered_and_counted_but_never_published(
+    start_webhook: Any, start_runtime: RuntimeFactory, bus_settings: BusSettings, client: aiohttp.ClientSession, reviews: Any,
+) -> None:
+    """`kubectl apply --dry-run=server` reaches the webhook (it declares sideEffects: None) yet creates no pod."""
+    gpu_pod, review_bytes = reviews
+    seen = await subscribe(start_runtime)
+    server = await start_webhook(bus_settings)
+    await eventually(server.publisher.bus_ready.is_set)
+    review = orjson.loads(review_bytes(gpu_pod("rehearsal"), uid="u-dry"))
+    review["request"]["dryRun"] = True
+    for _ in range(3):  # the same body again too: an answer replayed for it must not publish either
+        dry = await mutate(client, server.url, orjson.dumps(review))
+    real = await mutate(client, server.url, review_bytes(gpu_pod("rehearsal"), uid="u-real"))
+    assert dry["patch"] == real["patch"] and dry["allowed"] is True
+    await eventually(lambda: len(seen) == 1)
+    await asyncio.sleep(0.2)  # a dry run's event would have been sent before the real one's: none is on the way
+    assert [event.request_uid for event in seen] == ["u-real"]
+    assert metric(server, "kai_isolator_admission_decisions_total", decision="injected") == 4
+
+
 async def test_nats_stopped_mid_load_costs_no_answer(
     start_webhook: Any, start_runtime: RuntimeFactory, bus_settings: BusSettings, nats_server: Any,
     client: aiohttp.ClientSession, reviews: Any,
