@@ -212,7 +212,12 @@ async def watcher_burst(api: Api, watcher: Watcher, arrivals: Arrivals, js: Any,
     spawned = time.perf_counter()
     await watcher.start()
     arrivals.reset(watcher.pid)
-    await wait_for(lambda: arrivals.count >= pods * EVENTS_PER_POD, 600, f"{pods * EVENTS_PER_POD} events")
+    try:
+        await wait_for(lambda: arrivals.count >= pods * EVENTS_PER_POD, 600, f"{pods * EVENTS_PER_POD} events")
+    except SystemExit:
+        tail = watcher.log.read_text(errors="replace").splitlines()[-20:]
+        print(f"bench: {arrivals.count} of {pods * EVENTS_PER_POD} events; the watcher's log ends:", *tail, sep="\n", file=sys.stderr)
+        raise
     cpu = proc_stat(watcher.pid)[0] - arrivals.cpu_at_first
     await asyncio.sleep(1.0)
     rss_after = proc_stat(watcher.pid)[1]
