@@ -15,13 +15,14 @@ from typing import Any
 import pytest
 
 from control_plane.fixtures import make_namespace
+from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.services.devcluster.plane import ControlPlane
 from kai_isolator.shared.embedded_nats import free_port
 from kai_isolator.shared.settings import BusSettings
 from pod_events import PodEvents, pod_events  # noqa: F401  (the fixture)
 from support import eventually
 
-STORY = ["admitted", "isolation-missing"]  # no scheduler and no webhook here: never bound, never injected
+STORY = ["admitted", "isolation-missing"]  # not KAI's scheduler's, and our webhook is not registered: never bound, never injected
 
 
 def gpu_pod(name: str) -> dict[str, Any]:
@@ -45,8 +46,11 @@ async def start_watcher(kubeconfig: Path, bus: BusSettings, log: Path) -> asynci
 
 
 @pytest.mark.timeout(240)
-async def test_killed_with_many_pods_in_flight_loses_reorders_and_repeats_nothing(control_plane: ControlPlane, bus_settings: BusSettings,
+async def test_killed_with_many_pods_in_flight_loses_reorders_and_repeats_nothing(dev_cluster: DevCluster, bus_settings: BusSettings,
                                                                                    pod_events: PodEvents, tmp_path: Path) -> None:  # noqa: F811
+    # dev_cluster's plane, not control_plane: deploy/'s webhook (failurePolicy Fail) there may point at no webhook.
+    control_plane = dev_cluster.plane
+    assert control_plane is not None
     ns = make_namespace(control_plane, "burst")
     first_names = [f"p-{i}" for i in range(600)]
     await asyncio.to_thread(create_pods, control_plane, ns, first_names)
