@@ -29,6 +29,12 @@ def _modules(leaf: str) -> list[ModuleType]:
     return found
 
 
+def command_module(service: str) -> ModuleType | None:
+    """One service's command module alone, or None when it has none."""
+    name = f"{__package__}.{service}.command"
+    return importlib.import_module(name) if importlib.util.find_spec(name) is not None else None
+
+
 def command_modules() -> list[ModuleType]:
     """Modules with `add_parser(subparsers) -> ArgumentParser` and `async run(args) -> int`."""
     return _modules("command")
