@@ -197,6 +197,21 @@ class DevCluster:
         query = f"?gracePeriodSeconds={grace_period_s}" if grace_period_s is not None else ""
         return await self.request("DELETE", resource_path(plural, namespace, name) + query)  # type: ignore[no-any-return]
 
+    async def wait_gone(self, plural: str, namespace: str | None, name: str, timeout_s: float = 10) -> None:
+        """Wait until the object answers 404: a bound pod's deletion is graceful, it stays (with a deletionTimestamp)
+        until its node's kubelet confirms that the containers stopped."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await self.get(plural, namespace, name)
+            except ApiCallError as error:
+                if error.code == 404:
+                    return
+                raise
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(f"{plural} {namespace}/{name} still there after {timeout_s:.0f}s")
+            await asyncio.sleep(0.02)
+
     async def ensure_namespace(self, name: str, labels: dict[str, str] | None = None) -> None:
         """A namespace and its `default` ServiceAccount (which the absent controller-manager would create)."""
         for plural, body, namespace in (("namespaces", {"metadata": {"name": name, "labels": labels or {}}}, None),

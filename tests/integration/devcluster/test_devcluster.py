@@ -86,13 +86,7 @@ async def test_pods_end_by_annotation_and_a_graceful_delete_is_confirmed_by_the_
     assert await phase(dev_cluster, "long", "Running")
     await dev_cluster.delete("pods", "default", "long")  # the default 30 s grace: only the node ends it sooner
 
-    async def gone() -> bool:
-        try:
-            await dev_cluster.get("pods", "default", "long")
-        except ApiCallError as error:
-            return error.code == 404
-        return False
-    assert await eventually(gone, timeout_s=10)
+    await dev_cluster.wait_gone("pods", "default", "long")
 
 
 async def test_a_kubelet_may_write_only_its_own_pods(dev_cluster: DevCluster) -> None:

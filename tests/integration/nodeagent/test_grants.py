@@ -20,7 +20,7 @@ import nats
 import pytest
 from kubernetes_asyncio import client, config
 
-from kai_isolator.services.devcluster.cluster import ApiCallError, DevCluster
+from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.services.devcluster.kai import fake_gpu_uuid
 from kai_isolator.services.nodeagent.grants import GrantKeeper, grant_path, read_grant
 from kai_isolator.shared import subjects
@@ -127,19 +127,6 @@ async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10)
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, f"{what}: not reached in time"
-        await asyncio.sleep(0.02)
-
-
-async def pod_gone(cluster: DevCluster, name: str, namespace: str = "default", timeout_s: float = 10) -> None:
-    """Deletion on the real API server is graceful: the pod is gone once its node's kubelet has confirmed it."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            await cluster.get("pods", namespace, name)
-        except ApiCallError as error:
-            assert error.code == 404, error
-            return
-        assert time.monotonic() < deadline, f"{namespace}/{name} never went away"
         await asyncio.sleep(0.02)
 
 
@@ -252,7 +239,7 @@ async def test_restart_keeps_grants_untouched_and_drops_those_of_pods_deleted_me
     inode = grant_path(keepers.root, staying["metadata"]["uid"], "main").stat().st_ino
     await keepers.stop()
     await dev_cluster.delete("pods", "default", "leaving")
-    await pod_gone(dev_cluster, "leaving")  # gone for good, not just marked for deletion, while no keeper ran
+    await dev_cluster.wait_gone("pods", "default", "leaving")  # gone for good, not just marked for deletion, while no keeper ran
     await dev_cluster.compact()  # and the change history is gone: no watch can resume
     await keepers.start()
     assert grant_path(keepers.root, staying["metadata"]["uid"], "main").stat().st_ino == inode

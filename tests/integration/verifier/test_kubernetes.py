@@ -7,13 +7,12 @@ import asyncio
 import contextlib
 import os
 import signal
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from kai_isolator.services.devcluster.cluster import ApiCallError, DevCluster
+from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.services.verifier.kube import MISSING_ANNOTATION, PodNotifier
 from kai_isolator.shared.events import HealthVerdict, PodRef, Reason
 
@@ -72,23 +71,10 @@ async def test_annotate_marks_the_pod_with_the_reason_codes(dev_cluster: DevClus
     assert pod["metadata"]["annotations"][MISSING_ANNOTATION] == "not-injected"
 
 
-async def gone(cluster: DevCluster, namespace: str, name: str, timeout_s: float = 10) -> None:
-    """Wait until the pod answers 404: an eviction is a deletion, graceful for a pod that a node runs."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            await cluster.get("pods", namespace, name)
-        except ApiCallError as error:
-            assert error.code == 404, error
-            return
-        assert time.monotonic() < deadline, f"{namespace}/{name} still there after the eviction"
-        await asyncio.sleep(0.05)
-
-
 async def test_evict_removes_the_pod_through_the_eviction_api(dev_cluster: DevCluster, notifier: PodNotifier) -> None:
     verdict = await missing_verdict(dev_cluster, "p3")
     assert await notifier.evict(verdict)
-    await gone(dev_cluster, "default", "p3")
+    await dev_cluster.wait_gone("pods", "default", "p3")  # an eviction is a graceful deletion for a running pod
     assert await notifier.evict(verdict)  # evicting it again finds nothing to evict: done, not an error
 
 

@@ -79,11 +79,7 @@ async def delete_for_good(cluster: DevCluster, name: str, namespace: str = "defa
     """Delete a pod and wait until it is gone: on a real API server a bound pod's deletion is graceful, and the
     object stays (with a deletionTimestamp) until its node's kubelet confirms that the containers stopped."""
     await cluster.delete("pods", namespace, name)
-
-    async def gone() -> bool:
-        return await phase(cluster, name, namespace) is None
-
-    await until(gone)
+    await cluster.wait_gone("pods", namespace, name, timeout_s=20)
 
 
 def gpu_pod(name: str, *, node: str | None = "gpu-node-1", annotations: dict[str, str] | None = None, injected: bool = False, **extra: Any) -> dict[str, Any]:
