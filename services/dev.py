@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kai_isolator.shared.bus import connect, provision_stream, stop_signals
+from kai_isolator.shared.tasks import cancel_all
 from kai_isolator.shared.embedded_nats import bus_url
 from kai_isolator.shared.settings import BusSettings, load
 from kai_isolator.shared.tail import follow, render_line
@@ -73,9 +74,7 @@ async def run(args: argparse.Namespace) -> int:
             timeline = asyncio.create_task(_print_events(url, context.bus))
             print(f"kai-isolator dev: bus is {context.nats_description}; printing events; Ctrl-C to stop", flush=True)
             await stop.wait()
-        timeline.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await timeline
+        await cancel_all([timeline])  # a cancel landing in the NATS client's reconnect can be swallowed: ask again
     print("kai-isolator dev: stopped", flush=True)
     return 0
 

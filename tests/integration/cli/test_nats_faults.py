@@ -53,6 +53,17 @@ async def read_lines(process: asyncio.subprocess.Process, count: int, timeout_s:
     return lines
 
 
+async def stopped_within(process: asyncio.subprocess.Process, timeout_s: float) -> tuple[bytes, bytes]:
+    """Its remaining output once it has exited; a test failure naming where its shutdown stood if it has not."""
+    try:
+        return await asyncio.wait_for(process.communicate(), timeout_s)
+    except TimeoutError:
+        os.killpg(process.pid, signal.SIGKILL)
+        _, err = await process.communicate()
+        last = b"\n".join(err.splitlines()[-15:]).decode(errors="replace")
+        pytest.fail(f"still running {timeout_s:g} s after SIGINT (killed); its last log lines:\n{last}")
+
+
 def sequences(lines: list[str]) -> list[int]:
     return [decode(line.encode())[1].sequence for line in lines]  # type: ignore[attr-defined]
 
@@ -109,7 +120,7 @@ async def test_dev_runs_every_service_on_a_comma_separated_nats_url_and_says_whi
         banner = line.decode()
     assert f"the NATS at {servers}" in banner and "embedded" not in banner
     os.killpg(process.pid, signal.SIGINT)
-    rest, err = await asyncio.wait_for(process.communicate(), 30)
+    rest, err = await stopped_within(process, 60)
     assert process.returncode == 0, err.decode()
     assert b"kai-isolator dev: stopped" in rest and b"Traceback" not in err
 
