@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 import time
 from collections import Counter as Tally
 from collections import deque
@@ -18,7 +19,7 @@ import orjson
 from nats.aio.msg import Msg
 from prometheus_client import Counter
 
-from kai_isolator.shared import subjects
+from kai_isolator.shared import frames, subjects
 from kai_isolator.shared.bus import DUPLICATE_IN_PROCESS, HEADERS_CONTENT_TYPE, Runtime
 from kai_isolator.shared.errors import DecodeError
 from kai_isolator.shared.events import AdmissionDecision
@@ -36,6 +37,8 @@ LINGER_S = 0.025
 # JetStream API errors worth another try (no leader yet, cluster busy); not "insufficient resources".
 TRANSIENT_CODES = frozenset({None, 408, 500, 503})
 INSUFFICIENT_RESOURCES = 10023
+# An ack's duplicate flag, as the server writes it: `"duplicate": true`, with a space (only present when true).
+_DUPLICATE = re.compile(rb'"duplicate":\s*true')
 
 
 @functools.lru_cache(maxsize=1024)
@@ -193,7 +196,7 @@ class DecisionPublisher:
         entry.sent_at, entry.resend_at = now, None
         entry.attempts += 1
         try:
-            await self._runtime.connection.publish(entry.subject, entry.data, reply=f"{self._inbox}.{token}", headers=entry.headers)
+            await frames.publish(self._runtime.connection, entry.subject, entry.data, f"{self._inbox}.{token}", entry.headers)
         except nats.errors.Error:
             self._retry_later(entry)  # disconnected with the client's own buffer full, or closing
 
@@ -211,7 +214,7 @@ class DecisionPublisher:
                 self._counters.dropped["publish_failed"].inc()
                 self._runtime_outcome("failed")
         else:
-            self._tally["duplicate" if b'"duplicate":true' in data else "stored"] += 1
+            self._tally["duplicate" if _DUPLICATE.search(data) else "stored"] += 1
             if not self._inflight:
                 self._count_acks()  # the round is in: the counts are current whenever nothing is outstanding
         if self._buffer and not self._wake.is_set():

@@ -18,6 +18,8 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from kai_isolator.shared import frames
+
 STATUS_HEADER = "Status"
 NO_RESPONDERS = "503"
 
@@ -69,7 +71,7 @@ class AckPipeline:
             self._waiting[token] = future
             self._deadlines.append((time.monotonic() + self.timeout_s, token))
             try:
-                await self.nc.publish(subject, data, reply=self._prefix + token, headers=headers)
+                await frames.publish(self.nc, subject, data, self._prefix + token, headers)
                 return await future
             finally:
                 self._waiting.pop(token, None)

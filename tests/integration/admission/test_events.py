@@ -67,6 +67,23 @@ async def test_every_decision_is_published(
     assert metric(server, "kai_isolator_admission_events_published_total") == 4
 
 
+async def test_a_request_sent_again_is_stored_once_and_counted_as_a_duplicate(
+    start_webhook: Any, start_runtime: RuntimeFactory, bus_settings: BusSettings, client: aiohttp.ClientSession, reviews: Any,
+) -> None:
+    # The API server calls a webhook again, same uid, when the first call timed out on its side.
+    gpu_pod, review_bytes = reviews
+    seen = await subscribe(start_runtime)
+    server = await start_webhook(bus_settings)
+    await eventually(server.publisher.bus_ready.is_set)
+    for _ in range(2):
+        await mutate(client, server.url, review_bytes(gpu_pod("again"), uid="u-again"))
+        await eventually(lambda: server.publisher.pending == 0)
+    await eventually(lambda: metric(server, "kai_isolator_bus_published_total", outcome="duplicate") == 1)
+    assert metric(server, "kai_isolator_bus_published_total", outcome="stored") == 1
+    await asyncio.sleep(0.2)
+    assert [event.request_uid for event in seen] == ["u-again"]
+
+
 async def test_a_dry_run_is_answered_and_counted_but_never_published(
     start_webhook: Any, start_runtime: RuntimeFactory, bus_settings: BusSettings, client: aiohttp.ClientSession, reviews: Any,
 ) -> None:
