@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import sys
 from datetime import datetime
@@ -15,6 +14,7 @@ from kai_isolator.shared.embedded_nats import bus_url
 from kai_isolator.shared.event_contract import event_schema
 from kai_isolator.shared.settings import BusSettings, load
 from kai_isolator.shared.tail import follow, parse_since, render_line
+from kai_isolator.shared.tasks import cancel_all
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -38,10 +38,7 @@ async def run(args: argparse.Namespace) -> int:
             printer = asyncio.create_task(_print(url, settings, args.subject, since, args.json, args.limit))
             stopper = asyncio.create_task(stop.wait())
             await asyncio.wait({printer, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            for task in (printer, stopper):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await cancel_all([printer, stopper])  # a cancel landing in the NATS client can be swallowed: ask again
     return 0
 
 

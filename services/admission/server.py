@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import itertools
 import logging
 import os
@@ -23,6 +22,7 @@ from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.errors import BusError, ConfigError
 from kai_isolator.shared.probes import add_probe_routes
 from kai_isolator.shared.settings import BusSettings, split_host_port
+from kai_isolator.shared.tasks import cancel_all
 
 from .publisher import DecisionPublisher, PublishCounters
 from .settings import MAX_BODY_BYTES, AdmissionSettings
@@ -182,10 +182,7 @@ class AdmissionServer:
 
     async def stop(self) -> None:
         self._serving = False
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all(self._tasks)
         if self._runner is not None:
             await self._runner.cleanup()
         await self.publisher.stop()

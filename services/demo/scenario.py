@@ -26,6 +26,7 @@ from kai_isolator.shared.errors import IsolatorError
 from kai_isolator.shared.events import AdmissionDecision, GrantDecision, HealthVerdict, NodeStatus, Payload, PodIsolation
 from kai_isolator.shared.limits import parse_limit
 from kai_isolator.shared.tail import follow
+from kai_isolator.shared.tasks import cancel_all
 
 from .kubelet import CgroupPlacement, ContainerProcess, new_container_id, start_container
 
@@ -66,9 +67,7 @@ class BusLog:
 
     async def __aexit__(self, *_: object) -> None:
         assert self._task is not None
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        await cancel_all([self._task])
 
     async def _collect(self, since: datetime) -> None:
         async for item in follow(self.url, since=since):

@@ -23,6 +23,7 @@ from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.errors import BusError, ConfigError
 from kai_isolator.shared.events import InstallReply, InstallRequest, NodeStatus, RolloutPhase, RolloutProgress
 from kai_isolator.shared.lease import LEASE_BUCKET, Lease, holder_name
+from kai_isolator.shared.tasks import cancel_all
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +144,7 @@ async def run_rollout(runtime: Runtime, version: str, *, max_unavailable: int = 
     try:
         return await _drive(runtime, version, max_unavailable, only, rollout_id, node_timeout_s, lease)
     finally:
-        keeper.cancel()
-        await asyncio.gather(keeper, return_exceptions=True)
+        await cancel_all([keeper])
         await lease.release()
 
 
