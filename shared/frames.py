@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import nats.errors
 from nats.aio.client import Client as NatsClient
@@ -47,22 +47,58 @@ def frame(subject: str, reply: str, headers: bytes, data: bytes) -> bytes:
     return b"HPUB %s %s %d %d\r\n%s%s\r\n" % (subject.encode(), reply.encode(), len(headers), len(headers) + len(data), headers, data)
 
 
+# One message as `Client.publish` takes it: subject, data, reply, headers.
+Message = tuple[str, bytes, str, Mapping[str, str]]
+
+
 async def publish(nc: NatsClient, subject: str, data: bytes, reply: str, headers: Mapping[str, str]) -> None:
     """`nc.publish(subject, data, reply=reply, headers=headers)`, with the same errors and buffering."""
-    block = header_block(headers)
-    if block is None or not (_VERBATIM.fullmatch(subject) and _VERBATIM.fullmatch(reply)):
-        await nc.publish(subject, data, reply=reply, headers=dict(headers))
-        return
-    if nc.is_closed:
-        raise nats.errors.ConnectionClosedError
-    if nc.is_draining_pubs:
-        raise nats.errors.ConnectionDrainingError
-    if len(data) > nc._max_payload:
-        raise nats.errors.MaxPayloadError
-    if not nc.is_connected and (nc._max_pending_size <= 0 or len(data) + nc._pending_data_size > nc._max_pending_size):
-        raise nats.errors.OutboundBufferLimitError  # reconnecting, with no room to keep it meanwhile
-    nc.stats["out_msgs"] += 1
-    nc.stats["out_bytes"] += len(data)
-    await nc._send_command(frame(subject, reply, block, data))
-    if nc._flush_queue is not None and nc._flush_queue.empty():
-        await nc._flush_pending()
+    await publish_many(nc, [(subject, data, reply, headers)])
+
+
+async def publish_many(nc: NatsClient, messages: Iterable[Message]) -> None:
+    """Each message as `nc.publish` would send it, in order: the connection checked once, the frames
+    queued in one piece. An error (closed, draining, no room while reconnecting, too large) is raised
+    before anything is queued, except from a message that needed nats-py's cleaning, sent by it in turn."""
+    batch = _Batch()
+    for subject, data, reply, headers in messages:
+        block = header_block(headers)
+        if block is None or not (_VERBATIM.fullmatch(subject) and _VERBATIM.fullmatch(reply)):
+            await batch.queue(nc)
+            await nc.publish(subject, data, reply=reply, headers=dict(headers))
+            continue
+        if len(data) > nc._max_payload:
+            raise nats.errors.MaxPayloadError
+        batch.add(frame(subject, reply, block, data), len(data))
+    await batch.queue(nc)
+
+
+class _Batch:
+    """Frames waiting to be queued on the client together, and what its stats will count for them."""
+
+    __slots__ = ("frames", "payload_bytes")
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+        self.payload_bytes = 0
+
+    def add(self, built: bytes, payload_size: int) -> None:
+        self.frames.append(built)
+        self.payload_bytes += payload_size
+
+    async def queue(self, nc: NatsClient) -> None:
+        if not self.frames:
+            return
+        joined = b"".join(self.frames)
+        if nc.is_closed:
+            raise nats.errors.ConnectionClosedError
+        if nc.is_draining_pubs:
+            raise nats.errors.ConnectionDrainingError
+        if not nc.is_connected and (nc._max_pending_size <= 0 or len(joined) + nc._pending_data_size > nc._max_pending_size):
+            raise nats.errors.OutboundBufferLimitError  # reconnecting, with no room to keep them meanwhile
+        nc.stats["out_msgs"] += len(self.frames)
+        nc.stats["out_bytes"] += self.payload_bytes
+        self.frames, self.payload_bytes = [], 0
+        await nc._send_command(joined)
+        if nc._flush_queue is not None and nc._flush_queue.empty():
+            await nc._flush_pending()

@@ -176,29 +176,36 @@ class DecisionPublisher:
 
     async def _send_buffered(self) -> None:
         assert self._runtime is not None
-        source, buffer, inflight = self._runtime.service, self._buffer, self._inflight
+        source, buffer, room = self._runtime.service, self._buffer, self._window - len(self._inflight)
         now = time.monotonic()
         deadline = now + self._runtime.settings.publish_retry_s
-        while buffer and len(inflight) < self._window:
+        entries: list[_InFlight] = []
+        while buffer and len(entries) < room:
             record, decided_at = buffer.popleft()
             try:
                 subject, msg_id, data = encode_decision(record, source, decided_at)
             except DecodeError:
                 self._counters.dropped["unroutable"].inc()  # no namespace a subject can carry
                 continue
-            await self._send(_InFlight(subject, data, {"Nats-Msg-Id": msg_id, "Content-Type": HEADERS_CONTENT_TYPE}, deadline), now)
+            entries.append(_InFlight(subject, data, {"Nats-Msg-Id": msg_id, "Content-Type": HEADERS_CONTENT_TYPE}, deadline))
+        await self._send(entries, now)
 
-    async def _send(self, entry: _InFlight, now: float) -> None:
+    async def _send(self, entries: list[_InFlight], now: float) -> None:
+        """Send these together, each under a reply token of its own."""
         assert self._runtime is not None
-        self._next_token += 1
-        token = str(self._next_token)
-        self._inflight[token] = entry
-        entry.sent_at, entry.resend_at = now, None
-        entry.attempts += 1
+        messages: list[frames.Message] = []
+        for entry in entries:
+            self._next_token += 1
+            token = str(self._next_token)
+            self._inflight[token] = entry
+            entry.sent_at, entry.resend_at = now, None
+            entry.attempts += 1
+            messages.append((entry.subject, entry.data, f"{self._inbox}.{token}", entry.headers))
         try:
-            await frames.publish(self._runtime.connection, entry.subject, entry.data, f"{self._inbox}.{token}", entry.headers)
+            await frames.publish_many(self._runtime.connection, messages)
         except nats.errors.Error:
-            self._retry_later(entry)  # disconnected with the client's own buffer full, or closing
+            for entry in entries:  # disconnected with the client's own buffer full, or closing
+                self._retry_later(entry)  # any already queued is stored once: its Nats-Msg-Id is the same
 
     # --- acknowledgements, timeouts and retries ----------------------------------------------
 
@@ -236,6 +243,7 @@ class DecisionPublisher:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             now, ack_timeout = time.monotonic(), self._runtime.settings.jetstream_timeout_s
+            again: list[_InFlight] = []
             for token, entry in list(self._inflight.items()):
                 if entry.resend_at is None and now - entry.sent_at >= ack_timeout:
                     self._retry_later(entry)
@@ -247,7 +255,8 @@ class DecisionPublisher:
                     self._runtime_outcome("failed")
                 else:
                     self._runtime_outcome("retried")
-                    await self._send(entry, now)
+                    again.append(entry)
+            await self._send(again, now)
             if self._buffer:
                 self._wake.set()
             self._count_acks()

@@ -91,3 +91,26 @@ async def test_errors_match_publish(nc: NatsClient) -> None:
     await nc.close()
     with pytest.raises(nats.errors.ConnectionClosedError):
         await frames.publish(nc, "s.a", b"d", "r.1", HEADERS)
+
+
+async def test_many_go_out_in_order_as_publish_sends_them_one_by_one(nc: NatsClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    messages: list[frames.Message] = [
+        ("s.a", b"1", "r.1", HEADERS),
+        ("s.b", b"2", "r.2", {"Nats-Msg-Id": "needs cleaning\r\n"}),  # sent by nats-py in its turn
+        ("s.c", b"3", "r.3", {}),
+    ]
+    sent = captured(nc, monkeypatch)
+    for subject, data, reply, headers in messages:
+        await nc.publish(subject, data, reply=reply, headers=dict(headers))
+    one_by_one = b"".join(sent)
+    sent.clear()
+    await frames.publish_many(nc, messages)
+    assert b"".join(sent) == one_by_one
+    assert nc.stats["out_msgs"] == 6
+
+
+async def test_nothing_is_queued_on_a_closed_connection(nc: NatsClient) -> None:
+    await nc.close()
+    with pytest.raises(nats.errors.ConnectionClosedError):
+        await frames.publish_many(nc, [("s.a", b"1", "r.1", HEADERS), ("s.b", b"2", "r.2", HEADERS)])
+    assert nc.stats["out_msgs"] == 0
