@@ -114,3 +114,25 @@ async def test_nothing_is_queued_on_a_closed_connection(nc: NatsClient) -> None:
     with pytest.raises(nats.errors.ConnectionClosedError):
         await frames.publish_many(nc, [("s.a", b"1", "r.1", HEADERS), ("s.b", b"2", "r.2", HEADERS)])
     assert nc.stats["out_msgs"] == 0
+
+
+async def test_sent_while_reconnecting_it_is_kept_and_stored_once_the_server_is_back(nats_server: EmbeddedNats) -> None:
+    nc = await nats.connect(nats_server.url, reconnect_time_wait=0.1, max_reconnect_attempts=-1)
+    try:
+        await nc.jetstream().add_stream(name="FRAMES", subjects=["frames.>"])
+        inbox = nc.new_inbox()
+        acks: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on_ack(msg: object) -> None:
+            await acks.put(msg.data)  # type: ignore[attr-defined]
+
+        await nc.subscribe(inbox + ".*", cb=on_ack)
+        await nc.flush()
+        nats_server.kill()
+        while nc.is_connected:
+            await asyncio.sleep(0.02)
+        await frames.publish(nc, "frames.kept", b'{"n":2}', f"{inbox}.1", HEADERS)  # buffered by the client, as publish does
+        nats_server.start()
+        assert orjson.loads(await asyncio.wait_for(acks.get(), 15)) == {"stream": "FRAMES", "seq": 1}
+    finally:
+        await nc.close()
