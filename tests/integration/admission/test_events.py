@@ -8,6 +8,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 
 from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import Runtime
@@ -42,13 +43,20 @@ def metric(server: Any, name: str, **labels: str) -> float:
     return server.registry.get_sample_value(name, labels) or 0.0
 
 
-async def test_every_decision_is_published(
-    start_webhook: Any, start_runtime: RuntimeFactory, bus_settings: BusSettings, client: aiohttp.ClientSession, reviews: Any,
-) -> None:
-    gpu_pod, review_bytes = reviews
+@pytest.fixture
+async def on_bus(start_webhook: Any, start_runtime: RuntimeFactory, bus_settings: BusSettings) -> tuple[Any, list[AdmissionDecision]]:
+    """A webhook publishing to the test's NATS, and every decision event an auditor sees there."""
     seen = await subscribe(start_runtime)
     server = await start_webhook(bus_settings)
     await eventually(server.publisher.bus_ready.is_set)
+    return server, seen
+
+
+async def test_every_decision_is_published(
+    on_bus: tuple[Any, list[AdmissionDecision]], client: aiohttp.ClientSession, reviews: Any,
+) -> None:
+    gpu_pod, review_bytes = reviews
+    server, seen = on_bus
     escaping = gpu_pod("escape", "team-b")
     escaping["spec"]["containers"][0]["env"] = [{"name": "LD_PRELOAD", "value": "/x.so"}]
     await mutate(client, server.url, review_bytes(gpu_pod("plain"), uid="u-injected"))
@@ -68,13 +76,11 @@ async def test_every_decision_is_published(
 
 
 async def test_a_request_sent_again_is_stored_once_and_counted_as_a_duplicate(
-    start_webhook: Any, start_runtime: RuntimeFactory, bus_settings: BusSettings, client: aiohttp.ClientSession, reviews: Any,
+    on_bus: tuple[Any, list[AdmissionDecision]], client: aiohttp.ClientSession, reviews: Any,
 ) -> None:
     # The API server calls a webhook again, same uid, when the first call timed out on its side.
     gpu_pod, review_bytes = reviews
-    seen = await subscribe(start_runtime)
-    server = await start_webhook(bus_settings)
-    await eventually(server.publisher.bus_ready.is_set)
+    server, seen = on_bus
     for _ in range(2):
         await mutate(client, server.url, review_bytes(gpu_pod("again"), uid="u-again"))
         await eventually(lambda: server.publisher.pending == 0)
@@ -85,13 +91,11 @@ async def test_a_request_sent_again_is_stored_once_and_counted_as_a_duplicate(
 
 
 async def test_a_dry_run_is_answered_and_counted_but_never_published(
-    start_webhook: Any, start_runtime: RuntimeFactory, bus_settings: BusSettings, client: aiohttp.ClientSession, reviews: Any,
+    on_bus: tuple[Any, list[AdmissionDecision]], client: aiohttp.ClientSession, reviews: Any,
 ) -> None:
     """`kubectl apply --dry-run=server` reaches the webhook (it declares sideEffects: None) yet creates no pod."""
     gpu_pod, review_bytes = reviews
-    seen = await subscribe(start_runtime)
-    server = await start_webhook(bus_settings)
-    await eventually(server.publisher.bus_ready.is_set)
+    server, seen = on_bus
     review = orjson.loads(review_bytes(gpu_pod("rehearsal"), uid="u-dry"))
     review["request"]["dryRun"] = True
     for _ in range(3):  # the same body again too: an answer replayed for it must not publish either
