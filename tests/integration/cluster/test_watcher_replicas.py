@@ -172,6 +172,8 @@ async def test_two_watchers_through_watcher_and_nats_faults_lose_and_repeat_noth
             await asyncio.sleep(1)
         missing = [n for n in created if by_pod.get(n, [])[:4] != FULL_STORY]
         if missing:
+            for name in missing:
+                print(name, "story on the bus:", by_pod.get(name), "phase in the API:", await phase(name))
             for w in watchers:
                 print(w.pid, [line for line in w.get("/metrics")[1].splitlines() if line.startswith("kai_isolator_watcher") or "published" in line])
         assert missing == [] and [n for n in deleted if "deleted" not in by_pod.get(n, [])] == []
