@@ -53,52 +53,47 @@ Message = tuple[str, bytes, str, Mapping[str, str]]
 
 async def publish(nc: NatsClient, subject: str, data: bytes, reply: str, headers: Mapping[str, str]) -> None:
     """`nc.publish(subject, data, reply=reply, headers=headers)`, with the same errors and buffering."""
-    await publish_many(nc, [(subject, data, reply, headers)])
+    block = header_block(headers)
+    if block is None or not (_VERBATIM.fullmatch(subject) and _VERBATIM.fullmatch(reply)):
+        await nc.publish(subject, data, reply=reply, headers=dict(headers))
+        return
+    if len(data) > nc._max_payload:
+        raise nats.errors.MaxPayloadError
+    await _enqueue(nc, frame(subject, reply, block, data), 1, len(data))
 
 
 async def publish_many(nc: NatsClient, messages: Iterable[Message]) -> None:
     """Each message as `nc.publish` would send it, in order: the connection checked once, the frames
     queued in one piece. An error (closed, draining, no room while reconnecting, too large) is raised
     before anything is queued, except from a message that needed nats-py's cleaning, sent by it in turn."""
-    batch = _Batch()
+    built: list[bytes] = []
+    payload_bytes = 0
     for subject, data, reply, headers in messages:
         block = header_block(headers)
         if block is None or not (_VERBATIM.fullmatch(subject) and _VERBATIM.fullmatch(reply)):
-            await batch.queue(nc)
+            if built:
+                await _enqueue(nc, b"".join(built), len(built), payload_bytes)
+                built, payload_bytes = [], 0
             await nc.publish(subject, data, reply=reply, headers=dict(headers))
             continue
         if len(data) > nc._max_payload:
             raise nats.errors.MaxPayloadError
-        batch.add(frame(subject, reply, block, data), len(data))
-    await batch.queue(nc)
+        built.append(frame(subject, reply, block, data))
+        payload_bytes += len(data)
+    if built:
+        await _enqueue(nc, b"".join(built), len(built), payload_bytes)
 
 
-class _Batch:
-    """Frames waiting to be queued on the client together, and what its stats will count for them."""
-
-    __slots__ = ("frames", "payload_bytes")
-
-    def __init__(self) -> None:
-        self.frames: list[bytes] = []
-        self.payload_bytes = 0
-
-    def add(self, built: bytes, payload_size: int) -> None:
-        self.frames.append(built)
-        self.payload_bytes += payload_size
-
-    async def queue(self, nc: NatsClient) -> None:
-        if not self.frames:
-            return
-        joined = b"".join(self.frames)
-        if nc.is_closed:
-            raise nats.errors.ConnectionClosedError
-        if nc.is_draining_pubs:
-            raise nats.errors.ConnectionDrainingError
-        if not nc.is_connected and (nc._max_pending_size <= 0 or len(joined) + nc._pending_data_size > nc._max_pending_size):
-            raise nats.errors.OutboundBufferLimitError  # reconnecting, with no room to keep them meanwhile
-        nc.stats["out_msgs"] += len(self.frames)
-        nc.stats["out_bytes"] += self.payload_bytes
-        self.frames, self.payload_bytes = [], 0
-        await nc._send_command(joined)
-        if nc._flush_queue is not None and nc._flush_queue.empty():
-            await nc._flush_pending()
+async def _enqueue(nc: NatsClient, frames: bytes, count: int, payload_bytes: int) -> None:
+    """Queue ready frames on the client's buffer, checked and counted as `publish` checks and counts."""
+    if nc.is_closed:
+        raise nats.errors.ConnectionClosedError
+    if nc.is_draining_pubs:
+        raise nats.errors.ConnectionDrainingError
+    if not nc.is_connected and (nc._max_pending_size <= 0 or len(frames) + nc._pending_data_size > nc._max_pending_size):
+        raise nats.errors.OutboundBufferLimitError  # reconnecting, with no room to keep them meanwhile
+    nc.stats["out_msgs"] += count
+    nc.stats["out_bytes"] += payload_bytes
+    await nc._send_command(frames)
+    if nc._flush_queue is not None and nc._flush_queue.empty():
+        await nc._flush_pending()
