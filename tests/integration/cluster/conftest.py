@@ -16,7 +16,6 @@ import nats
 import nats.errors
 import nats.js.errors
 import pytest
-from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from kai_isolator.shared import subjects
@@ -78,36 +77,31 @@ def gpu_pod(name: str, node: str = "gpu-node-1") -> dict[str, Any]:
             "spec": {"containers": [{"name": "main", "image": "busybox"}], "nodeSelector": {"kubernetes.io/hostname": node}}}
 
 
-async def stream_messages(url: str, filter_subject: str) -> list[Msg]:
-    """Every message in the stream under `filter_subject`, in stream order (an ephemeral consumer, read to the end).
+async def stream_events(url: str, filter_subject: str) -> list[Any]:
+    """Every event in the stream under `filter_subject`, in stream order (an ephemeral consumer, read to the end).
 
     Read again from the start when the cluster answers "not now" (a consumer placed while a server catches up).
     """
+    from kai_isolator.shared.events import decode
+
     for _ in range(10):
         nc = await nats.connect(url.split(","))
         try:
             psub = await nc.jetstream(timeout=5).pull_subscribe(
                 filter_subject, stream=subjects.STREAM_NAME, config=ConsumerConfig(ack_policy=AckPolicy.ALL))
-            found: list[Msg] = []
+            found: list[Any] = []
             while True:
                 try:
                     batch = await psub.fetch(1000, timeout=1.5)
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
                     return found
-                found += batch
+                found += [decode(m.data)[1] for m in batch]
                 await batch[-1].ack()  # AckAll: the consumer's 1000 unacked messages would stop it
         except nats.js.errors.ServiceUnavailableError:
             await asyncio.sleep(0.5)
         finally:
             await nc.close()
     raise AssertionError(f"the stream could not be read under {filter_subject}")
-
-
-async def stream_events(url: str, filter_subject: str) -> list[Any]:
-    """The payloads of `stream_messages`."""
-    from kai_isolator.shared.events import decode
-
-    return [decode(m.data)[1] for m in await stream_messages(url, filter_subject)]
 
 
 async def lease_holder(url: str, key: str) -> str | None:

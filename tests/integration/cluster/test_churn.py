@@ -38,6 +38,7 @@ import nats
 import nats.errors
 import nats.js.errors
 import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
 
 from kai_isolator.services.admission.certs import issue
 from kai_isolator.services.admission.server import AdmissionServer
@@ -52,7 +53,7 @@ from kai_isolator.shared.events import AdmissionDecision, HealthVerdict, PodIsol
 from kai_isolator.shared.operator_view import ISOLATED_CONDITION
 from kai_isolator.shared.settings import BusSettings
 
-from .conftest import lease_holder, stream_leader, stream_messages, stream_state
+from .conftest import lease_holder, stream_leader, stream_state
 
 NAMESPACE = "churn"
 NODES = {"gpu-node-1": 15360, "gpu-node-2": 15360}
@@ -288,12 +289,27 @@ class Stored:
 
 
 async def stored_events(url: str) -> list[Stored]:
-    """Every event in the stream, in stream order, with its store time."""
-    stored = []
-    for message in await stream_messages(url, subjects.ALL_EVENTS):
-        envelope, payload = decode(message.data)
-        stored.append(Stored(envelope.id, message.subject, payload, message.metadata.timestamp.timestamp()))
-    return stored
+    """Every event in the stream, in stream order, with its store time (an ephemeral consumer read to the end)."""
+    for _ in range(10):
+        nc = await nats.connect(url.split(","))
+        try:
+            psub = await nc.jetstream(timeout=5).pull_subscribe(subjects.ALL_EVENTS, stream=subjects.STREAM_NAME,
+                                                                config=ConsumerConfig(ack_policy=AckPolicy.ALL))
+            found: list[Stored] = []
+            while True:
+                try:
+                    batch = await psub.fetch(1000, timeout=1.5)
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    return found
+                for message in batch:
+                    envelope, payload = decode(message.data)
+                    found.append(Stored(envelope.id, message.subject, payload, message.metadata.timestamp.timestamp()))
+                await batch[-1].ack()
+        except nats.js.errors.ServiceUnavailableError:
+            await asyncio.sleep(0.5)
+        finally:
+            await nc.close()
+    raise AssertionError("the stream could not be read")
 
 
 @dataclass
@@ -372,18 +388,20 @@ async def inject_faults(cluster: EmbeddedCluster, timeline: Timeline, start_repl
     """The faults, one after another, each undone (restarted, resumed, replaced) before a few steady seconds."""
     url = cluster.url
     await asyncio.sleep(6)
-    async def kill_and_restart(member: ClusterMember, role: str) -> None:
-        member.kill()
-        await asyncio.sleep(4)
-        await asyncio.to_thread(member.start)
-        await until(lambda: caught_up(cluster), 60, f"stream replicas current after the {role}'s restart")
-
     async with timeline.fault("stream leader SIGKILL"):
-        await kill_and_restart(await stream_leader(cluster), "leader")
+        leader = await stream_leader(cluster)
+        leader.kill()
+        await asyncio.sleep(4)
+        await asyncio.to_thread(leader.start)
+        await until(lambda: caught_up(cluster), 60, "stream replicas current after the leader's restart")
     await asyncio.sleep(3)
     async with timeline.fault("stream follower SIGKILL"):
         current_leader = await stream_leader(cluster)
-        await kill_and_restart(next(m for m in cluster.members if m is not current_leader), "follower")
+        follower: ClusterMember = next(m for m in cluster.members if m is not current_leader)
+        follower.kill()
+        await asyncio.sleep(4)
+        await asyncio.to_thread(follower.start)
+        await until(lambda: caught_up(cluster), 60, "stream replicas current after the follower's restart")
     await asyncio.sleep(3)
     async with timeline.fault("stream leader partitioned"):
         partitioned = await stream_leader(cluster)

@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import nats
+import nats.js.errors
 import pytest
 
 from kai_isolator.shared import subjects
@@ -16,7 +17,7 @@ from kai_isolator.shared.events import AdmissionDecision, decode
 from kai_isolator.shared.settings import BusSettings
 from support import RuntimeFactory
 
-from .conftest import stream_leader, stream_messages, stream_state
+from .conftest import stream_leader, stream_state
 
 
 def decision(i: int) -> AdmissionDecision:
@@ -59,7 +60,27 @@ async def test_more_replicas_than_servers_is_a_clear_error(bus_settings: BusSett
 
 async def published(url: str) -> list[str]:
     """Ids of every AdmissionDecision in the stream, in stream order."""
-    return [decode(m.data)[0].id for m in await stream_messages(url, subjects.ALL_ADMISSION)]
+    nc = await nats.connect(url.split(","))
+    try:
+        psub = await nc.jetstream().pull_subscribe(subjects.ALL_ADMISSION, stream=subjects.STREAM_NAME)
+        ids: list[str] = []
+        unavailable = 0
+        while True:
+            try:
+                batch = await psub.fetch(500, timeout=1)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                return ids
+            except nats.js.errors.ServiceUnavailableError:
+                # A cluster just healed may still be electing the new consumer's leader (503): read on shortly.
+                unavailable += 1
+                assert unavailable < 50, "the stream stayed unavailable to a reader for 25 s"
+                await asyncio.sleep(0.5)
+                continue
+            ids += [decode(m.data)[0].id for m in batch]
+            for m in batch:
+                await m.ack()
+    finally:
+        await nc.close()
 
 
 async def test_publishing_through_leader_kill_follower_kill_and_a_paused_server_loses_and_repeats_nothing(
