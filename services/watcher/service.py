@@ -216,8 +216,8 @@ class PodWatcher:
         self._progress = Progress(self.settings.max_in_flight)
         self._lanes = Lanes(self.settings.lanes, self._progress)
         self._acks = AckPipeline(self.runtime.connection, self.runtime.settings.jetstream_timeout_s, limit=4 * self.settings.lanes)
-        await self._retrying("bus", self._acks.start)
         forget_acks = self.runtime.on_disconnected(self._acks.connection_lost)
+        await self._retrying("bus", self._acks.start)
         try:
             await self._retrying("bus", self._load_state)
             await self._retrying("bus", self._recover)
