@@ -121,7 +121,6 @@ class Runtime:
         self._stopping = asyncio.Event()
         self._in_flight: set[asyncio.Task[None]] = set()
         self._readiness_checks: list[Callable[[], str | None]] = []
-        self._disconnect_listeners: list[Callable[[], None]] = []
 
     # --- binding ------------------------------------------------------------------------
 
@@ -129,19 +128,6 @@ class Runtime:
         """Bind `handler` to a durable consumer `<service>-<name>` of the event stream."""
         policy = DeliverPolicy.NEW if new_only else DeliverPolicy.ALL
         self._events.append(EventBinding(f"{self.service}-{name}", filter_subject, handler, accepted_types(handler), policy))
-
-    def on_disconnected(self, listener: Callable[[], None]) -> Callable[[], None]:
-        """Call `listener` each time the connection drops, until the function returned is called.
-
-        What was sent and not yet acknowledged may never be (the server it went to may be gone):
-        a pipelined sender can send it again at once rather than wait out its ack timeout."""
-        self._disconnect_listeners.append(listener)
-
-        def forget() -> None:
-            if listener in self._disconnect_listeners:
-                self._disconnect_listeners.remove(listener)
-
-        return forget
 
     def on_broadcast(self, subject: str, handler: EventHandler) -> None:
         """Every event on `subject` to this instance too, by a plain subscription (no consumer, no queue group).
@@ -225,8 +211,6 @@ class Runtime:
 
     async def _on_disconnect(self) -> None:
         self.metrics.connected.set(0)
-        for listener in list(self._disconnect_listeners):
-            listener()
         if not self._stopping.is_set():
             log.warning("disconnected from NATS; reconnecting", extra={"service": self.service})
 

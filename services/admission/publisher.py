@@ -163,7 +163,6 @@ class DecisionPublisher:
         self._inbox = connection.new_inbox()
         await connection.subscribe(f"{self._inbox}.*", cb=self._on_ack, pending_msgs_limit=0, pending_bytes_limit=0)
         sweeper = asyncio.create_task(self._sweep(), name="admission-publisher-sweep")
-        forget = self._runtime.on_disconnected(self._send_all_again)
         try:
             while True:
                 await self._wake.wait()
@@ -171,7 +170,6 @@ class DecisionPublisher:
                 self._wake.clear()
                 await self._send_buffered()
         finally:
-            forget()
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
@@ -228,14 +226,6 @@ class DecisionPublisher:
                 self._count_acks()  # the round is in: the counts are current whenever nothing is outstanding
         if self._buffer and not self._wake.is_set():
             self._wake.set()
-
-    def _send_all_again(self) -> None:
-        """The connection dropped: acks still due may never come; the sweep sends those decisions again
-        at once (stored once: their Nats-Msg-Id is the same) instead of after the ack timeout."""
-        now = time.monotonic()
-        for entry in self._inflight.values():
-            if entry.resend_at is None:
-                entry.resend_at = now
 
     def _reinsert(self, entry: _InFlight) -> None:
         self._next_token += 1

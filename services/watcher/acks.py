@@ -59,11 +59,6 @@ class AckPipeline:
                 pass  # the connection is closing or closed
         self._fail_all(nats.errors.ConnectionClosedError())
 
-    def connection_lost(self) -> None:
-        """The connection dropped: every publish awaiting its ack fails now, for its caller to send again
-        (under the same Nats-Msg-Id or compare-and-set) instead of waiting out `timeout_s`."""
-        self._fail_all(nats.errors.ConnectionReconnectingError())
-
     @property
     def in_flight(self) -> int:
         return len(self._waiting)

@@ -216,7 +216,6 @@ class PodWatcher:
         self._progress = Progress(self.settings.max_in_flight)
         self._lanes = Lanes(self.settings.lanes, self._progress)
         self._acks = AckPipeline(self.runtime.connection, self.runtime.settings.jetstream_timeout_s, limit=4 * self.settings.lanes)
-        forget_acks = self.runtime.on_disconnected(self._acks.connection_lost)
         await self._retrying("bus", self._acks.start)
         try:
             await self._retrying("bus", self._load_state)
@@ -228,7 +227,6 @@ class PodWatcher:
                 group.create_task(self._saver(), name="watch-resume-saver")
                 group.create_task(self._loop(), name="watch-read")
         finally:
-            forget_acks()
             await self._acks.stop()
 
     async def _loop(self) -> None:
@@ -535,23 +533,11 @@ class PodWatcher:
         except nats.js.errors.APIError as error:
             if error.err_code != WRONG_LAST_SEQUENCE:
                 raise
-            landed = await self._landed(key, value)  # a put sent again after its ack was lost with the connection
-            if landed is not None:
-                revision = landed
-            elif last is not None:
+            if last is not None:
                 raise LeaseLostError(f"pod record {key} was written by another watcher; resynchronising from KV") from None
-            else:
-                revision = await self._create_over_marker(key, value)
+            revision = await self._create_over_marker(key, value)
         self._revisions[record.uid] = revision
         self.records[record.uid] = _slim(record)
-
-    async def _landed(self, key: str, value: bytes) -> int | None:
-        """The revision of `key` when its latest value is exactly `value`: our own earlier attempt, stored."""
-        try:
-            entry = await self.runtime.kv(self.settings.state_bucket).get(key)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            return None
-        return entry.revision if entry.value == value else None
 
     async def _create_over_marker(self, key: str, value: bytes) -> int:
         """A create where the key was deleted before (a delete marker is its last entry): nats-py's create handles that."""

@@ -8,13 +8,9 @@ import os
 import sys
 from collections import Counter
 
-import pytest
-
 from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.services.watcher.settings import WatcherSettings
-from kai_isolator.services.watcher.story import PodRecord
 from kai_isolator.shared.embedded_nats import EmbeddedNats
-from kai_isolator.shared.errors import LeaseLostError
 from kai_isolator.shared.settings import BusSettings
 from support import eventually
 
@@ -136,22 +132,3 @@ async def test_nats_outage_during_churn_loses_nothing(dev_cluster: DevCluster, n
     assert pod_events.states("during-0") == [*FULL_STORY, "deleted"]
     assert pod_events.states("before") == [*FULL_STORY, "deleted"]
     assert_exactly_once(pod_events)
-
-
-async def test_a_record_put_sent_again_after_it_landed_is_taken_as_its_own_not_a_rivals(
-        dev_cluster: DevCluster, start_watcher, pod_events: PodEvents) -> None:
-    # The compare-and-set of a pod's record whose ack died with the server that carried it is sent again:
-    # the revision it expects is now one behind, and the value there is exactly its own.
-    watcher, _ = await start_watcher()
-    await dev_cluster.create("pods", gpu_pod("p"), "default")
-    await eventually(lambda: pod_events.states("p") == FULL_STORY)
-    uid = next(uid for uid, record in watcher.records.items() if record.name == "p")
-    kv = watcher.runtime.kv(watcher.settings.state_bucket)
-    stored = await kv.get(watcher._record_key(uid))
-    record = PodRecord.model_validate_json(stored.value)
-    watcher._revisions[uid] = stored.revision - 1  # what it believed before its put landed
-    await watcher._put_record(record)
-    assert watcher._revisions[uid] == stored.revision and (await kv.get(watcher._record_key(uid))).revision == stored.revision
-    watcher._revisions[uid] = stored.revision - 1
-    with pytest.raises(LeaseLostError):  # another value there: another watcher wrote it
-        await watcher._put_record(record.model_copy(update={"phase": "Succeeded"}))
