@@ -46,19 +46,37 @@ static uint64_t limit_of(struct vgpu_shm_device *dev, int idx) {
     return granted ? granted_limits[idx] : __atomic_load_n(&dev->limit, __ATOMIC_RELAXED);
 }
 
-/* The structural lock covers the header only: slot ranges carry the liveness locks. */
-static int file_lock(int fd, short type) {
-    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = 0,
-                       .l_len = sizeof(struct vgpu_shm_header)};
-    while (fcntl(fd, F_OFD_SETLKW, &fl) == -1)
-        if (errno != EINTR) return -1;
-    return 0;
-}
+/* The longest wait for the structural lock. Its holders only do short structural work, so a
+ * holder that keeps it this long is stopped or hostile (any process of the container can take
+ * it): the waiter fails closed instead of hanging in CUDA init with no word. */
+#define LOCK_TIMEOUT_S 5
+#define LOCK_TIMEOUT_NS (LOCK_TIMEOUT_S * 1000000000ull)
+#define LOCK_POLL_MAX_NS 2000000l
 
 static uint64_t clock_ns(clockid_t clock) {
     struct timespec ts;
     clock_gettime(clock, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* The structural lock covers the header only: slot ranges carry the liveness locks. Linux has
+ * no timed F_OFD_SETLKW (and a library may not take a signal for one), so a busy lock is polled
+ * with a growing pause until the deadline; ETIMEDOUT then. */
+static int file_lock(int fd, short type) {
+    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = 0,
+                       .l_len = sizeof(struct vgpu_shm_header)};
+    uint64_t deadline = clock_ns(CLOCK_MONOTONIC) + LOCK_TIMEOUT_NS;
+    long pause_ns = 20000;
+    while (fcntl(fd, F_OFD_SETLK, &fl) == -1) {
+        if (errno != EAGAIN && errno != EACCES && errno != EINTR) return -1;
+        if (clock_ns(CLOCK_MONOTONIC) >= deadline) {
+            errno = ETIMEDOUT;
+            return -1;
+        }
+        nanosleep(&(struct timespec){.tv_nsec = pause_ns}, NULL);
+        if (pause_ns < LOCK_POLL_MAX_NS) pause_ns *= 2;
+    }
+    return 0;
 }
 
 /* ---- lock-free fast path ----
@@ -325,10 +343,18 @@ static int slots_locked(int fd) {
     return fcntl(fd, F_OFD_GETLK, &fl) != 0 || fl.l_type != F_UNLCK;
 }
 
-static int map_file(int fd) {
+/* Checked before any lock is taken: a device or FIFO at the path may carry some other
+ * program's locks (dockerd holds one on /dev/null), which are none of ours to wait for. */
+static int check_regular(int fd) {
     struct stat st;
     if (fstat(fd, &st) != 0) return fail(fd, "cannot be read");
     if (!S_ISREG(st.st_mode)) return fail(fd, "is not a regular file");
+    return VGPU_SHM_ON;
+}
+
+static int map_file(int fd) {
+    struct stat st;
+    if (fstat(fd, &st) != 0) return fail(fd, "cannot be read");
     int fresh = st.st_size == 0;
     if (fresh && slots_locked(fd)) return fail(fd, "was truncated while its processes hold memory (tampered)");
     if (fresh && (ftruncate(fd, sizeof(struct vgpu_shm_file)) != 0 || fchmod(fd, 0666) != 0))
@@ -363,7 +389,7 @@ static int map_file(int fd) {
  * locked path retries, and fails closed. */
 static int reopen(void) {
     if (!shm || shm_fd < 0) return -1;
-    int fd = open(path_buf, O_RDWR | O_CLOEXEC);
+    int fd = open(path_buf, O_RDWR | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
     if (fd < 0) return -1;
     struct stat was, now; /* a file replaced at the path is not the one mapped (nor sized yet) */
     if (fstat(shm_fd, &was) != 0 || fstat(fd, &now) != 0 || was.st_dev != now.st_dev || was.st_ino != now.st_ino ||
@@ -394,7 +420,8 @@ static void attach_once(void) {
     granted = vgpu_config_granted();
     for (int d = 0; d < VGPU_SHM_DEVICES; d++) granted_limits[d] = vgpu_config_limit(d);
     snprintf(path_buf, sizeof path_buf, "%s", shm_path());
-    int fd = open(shm_path(), O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    /* O_NONBLOCK: opening whatever sits at the path (a FIFO, a device) must not wait either. */
+    int fd = open(shm_path(), O_RDWR | O_CREAT | O_CLOEXEC | O_NONBLOCK | O_NOCTTY, 0666);
     if (fd < 0) {
         int err = errno;
         if (vgpu_config_any_limit()) {
@@ -407,8 +434,13 @@ static void attach_once(void) {
         }
         return;
     }
+    if ((shm_state = check_regular(fd)) != VGPU_SHM_ON) return;
     if (file_lock(fd, F_WRLCK) != 0) {
-        shm_state = fail(fd, "cannot be locked");
+        char why[96] = "cannot be locked";
+        if (errno == ETIMEDOUT)
+            snprintf(why, sizeof why, "has been locked by another process for %d s (stopped, or holding it on "
+                     "purpose)", LOCK_TIMEOUT_S);
+        shm_state = fail(fd, why);
         return;
     }
     shm_state = map_file(fd);
@@ -429,10 +461,17 @@ int vgpu_shm_state(void) {
 
 /* ---- locked (slow) path ---- */
 
+/* A lock that times out refuses the operation that needed it (fail closed); one line says
+ * why, once per process, however many operations it refuses. */
 static int lock_shared(void) {
+    static int timeout_reported;
     pthread_mutex_lock(&shm_lock);
     if (reopen_needed) reopen();
     if (reopen_needed || file_lock(shm_fd, F_WRLCK) != 0) {
+        if (errno == ETIMEDOUT && !timeout_reported++)
+            vgpu_log(VGPU_LOG_ERROR, "shared accounting file %s has been locked by another process for %d s "
+                     "(stopped, or holding it on purpose); allocations that need it are refused", shm_path(),
+                     LOCK_TIMEOUT_S);
         pthread_mutex_unlock(&shm_lock);
         return -1;
     }

@@ -50,11 +50,34 @@ def poll(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def blocked_on_lock(pid: int) -> bool:
+def waiting_for_lock(pid: int, path: str) -> bool:
+    """The process has the file open and sleeps: the library polls a busy lock with pauses."""
     try:
-        return "lk" in Path(f"/proc/{pid}/wchan").read_text()  # fcntl_setlk and friends
+        has_file = any(os.readlink(fd) == path for fd in Path(f"/proc/{pid}/fd").iterdir())
+        return has_file and "sleep" in Path(f"/proc/{pid}/wchan").read_text()
     except OSError:
         return False
+
+
+LOCK_HOLDER = """
+import fcntl, os, struct, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_NONBLOCK)
+whole_file = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+try:
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, whole_file)
+    print("locked", flush=True)
+except BlockingIOError:  # some other program holds one already: as good for the test
+    print("locked elsewhere", flush=True)
+sys.stdin.read()  # holds it until the test closes stdin or kills this process
+"""
+
+
+def hold_lock(path: Path | str) -> subprocess.Popen[str]:
+    """A foreign process that holds an OFD write lock on the whole of `path` and never lets go."""
+    holder = subprocess.Popen(["python3", "-c", LOCK_HOLDER, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    wait_for(holder, "locked")
+    return holder
 
 
 def fake_used(env: dict[str, str]) -> int:
@@ -111,7 +134,7 @@ def test_killed_while_holding_the_lock_mid_update(tmp_path: Path) -> None:
     lines = wait_for(holder, "holding")
     assert "alloc 1073741824 rc=0 id=0" in lines and "crashstate slot=-1" not in lines, lines
     waiter = spawn(env, "alloc", str(GIB_BYTES), "fake", "0")
-    poll(lambda: blocked_on_lock(waiter.pid))
+    poll(lambda: waiting_for_lock(waiter.pid, env["CUDA_DEVICE_MEMORY_SHARED_CACHE"]))
     holder.send_signal(signal.SIGKILL)
     killed = time.monotonic()
     holder.wait(timeout=10)
@@ -261,11 +284,46 @@ def test_an_unopenable_file_fails_closed_when_a_limit_is_set(tmp_path: Path) -> 
 
 
 def test_a_file_that_is_not_a_regular_file_is_foreign(tmp_path: Path) -> None:
+    """The file type is checked before any lock: a lock some other program holds on a device
+    (dockerd holds one on /dev/null) is not waited for."""
     os.symlink("/dev/null", tmp_path / "to-dev-null")
-    for env in ({"CUDA_DEVICE_MEMORY_LIMIT": LIMIT}, {}):
-        result = probe("alloc", "1", env=env | {"CUDA_DEVICE_MEMORY_SHARED_CACHE": str(tmp_path / "to-dev-null")})
-        assert result.rcs("alloc") == [2]
-        assert "is not a regular file" in result.stderr and len(result.stderr.splitlines()) == 1
+    holder = hold_lock("/dev/null")
+    try:
+        for env in ({"CUDA_DEVICE_MEMORY_LIMIT": LIMIT}, {}):
+            result = probe("alloc", "1", env=env | {"CUDA_DEVICE_MEMORY_SHARED_CACHE": str(tmp_path / "to-dev-null")})
+            assert result.rcs("alloc") == [2]
+            assert "is not a regular file" in result.stderr and len(result.stderr.splitlines()) == 1
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+
+
+def test_a_lock_held_forever_fails_closed_instead_of_hanging(tmp_path: Path) -> None:
+    """Any process of the container can take the accounting file's lock and keep it (stopped,
+    or on purpose): a process starting then, and one already running, each end with one line
+    saying so and allocate nothing; once the lock is gone, allocations work again."""
+    env = shared_env(tmp_path)
+    path = env["CUDA_DEVICE_MEMORY_SHARED_CACHE"]
+    go = tmp_path / "go"
+    running = spawn(env, "info", "waitfile", str(go), "alloc", "1", "fake", "0")
+    wait_for(running, "info")  # attached, with no process slot yet: its first charge needs the lock
+    holder = hold_lock(path)
+    try:
+        go.touch()
+        out, err = running.communicate(timeout=60)
+        assert "alloc 1 rc=2" in out.splitlines()[-2], out
+        assert int(out.splitlines()[-1].split("allocs=")[1].split()[0]) == 0, out
+        assert len(err.splitlines()) == 1 and "has been locked by another process" in err, err
+        starting = probe("alloc", "1", "fake", "0", env=env)
+        assert starting.rcs("alloc") == [2]
+        assert int(starting.fields("fake")["allocs"]) == 0
+        assert len(starting.stderr.splitlines()) == 1, starting.stderr
+        assert f"{path} has been locked by another process" in starting.stderr
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    after = probe("alloc", "1", env=env)
+    assert after.rcs("alloc") == [0] and after.stderr == ""
 
 
 def _pid_namespace() -> list[str]:
