@@ -74,7 +74,7 @@ static int file_lock(int fd, short type) {
             return -1;
         }
         nanosleep(&(struct timespec){.tv_nsec = pause_ns}, NULL);
-        if (pause_ns < LOCK_POLL_MAX_NS) pause_ns *= 2;
+        pause_ns = pause_ns * 2 < LOCK_POLL_MAX_NS ? pause_ns * 2 : LOCK_POLL_MAX_NS;
     }
     return 0;
 }
