@@ -39,8 +39,9 @@ contract: $(STAMP)
 contract-tools:
 	$(MAKE) -C docs/events tools
 
-# The real etcd, kube-apiserver and kubectl the tests run against, built from services/devcluster/go once per
-# version into ~/.cache/kai-isolator/kube (KAI_ISOLATOR_KUBE_CACHE moves it); needs Go and its module proxy.
+# The real etcd, kube-apiserver and kubectl the tests run against, and the promtool that checks the alert rules,
+# built from services/devcluster/go once per version into ~/.cache/kai-isolator/kube (KAI_ISOLATOR_KUBE_CACHE
+# moves it); needs Go and its module proxy.
 control-plane: $(STAMP)
 	$(BIN)/python -m kai_isolator.services.devcluster.build
 

@@ -5,9 +5,7 @@ the rules and their unit tests fire each alert, and the Helm chart ships the sam
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import ssl
 import subprocess
 from pathlib import Path
@@ -19,6 +17,7 @@ import yaml
 
 from kai_isolator.services.admission.server import AdmissionServer
 from kai_isolator.services.admission.settings import AdmissionSettings
+from kai_isolator.services.devcluster.build import promtool
 from kai_isolator.services.verifier.command import running
 from kai_isolator.services.verifier.settings import VerifierSettings
 from kai_isolator.shared.settings import BusSettings
@@ -109,12 +108,11 @@ def test_every_rule_is_labelled_and_explained() -> None:
         assert rule["annotations"]["summary"] and rule["annotations"]["description"], rule["alert"]
 
 
-# CI installs it (.ci/run); elsewhere it is optional.
-@pytest.mark.skipif(shutil.which("promtool") is None and os.environ.get("CI") != "true", reason="promtool not installed (Debian package `prometheus`)")
 def test_promtool_accepts_the_rules_and_each_alert_fires_in_its_unit_test() -> None:
-    checked = subprocess.run(["promtool", "check", "rules", "prometheus-rules.yaml"], cwd=MONITORING, capture_output=True, text=True)
+    rule_checker = str(promtool())  # the pinned one, built and cached like the control plane
+    checked = subprocess.run([rule_checker, "check", "rules", "prometheus-rules.yaml"], cwd=MONITORING, capture_output=True, text=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    tested = subprocess.run(["promtool", "test", "rules", "prometheus-rules.test.yaml"], cwd=MONITORING, capture_output=True, text=True)
+    tested = subprocess.run([rule_checker, "test", "rules", "prometheus-rules.test.yaml"], cwd=MONITORING, capture_output=True, text=True)
     assert tested.returncode == 0, tested.stdout + tested.stderr
 
 
