@@ -31,7 +31,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from . import subjects
-from .errors import BusError, DecodeError, FencedError
+from .errors import BusError, DecodeError, FencedError, NotYet
 from .events import DeadLetter, ErrorReply, Payload, decode, encode
 from .probes import ProbeServer
 from .settings import BusSettings, nats_servers
@@ -299,7 +299,10 @@ class Runtime:
             await self._dead_letter(binding, msg, f"handler failed {deliveries} times; last: {reason}")
             return
         delay = retry_delay(deliveries, self.settings)
-        log.warning("handler failed; will retry", extra={"consumer": binding.durable, "delivery": deliveries, "retry_in_s": delay, "error": reason})
+        if isinstance(error, NotYet):  # an expected state that passes (a container still starting): no alarm
+            log.info("not ready yet; will look again", extra={"consumer": binding.durable, "delivery": deliveries, "retry_in_s": delay, "why": str(error)})
+        else:
+            log.warning("handler failed; will retry", extra={"consumer": binding.durable, "delivery": deliveries, "retry_in_s": delay, "error": reason})
         await self._settle(msg.nak(delay=delay), binding, "retried")
 
     async def _dead_letter(self, binding: EventBinding, msg: Msg, error: str) -> None:

@@ -5,6 +5,10 @@ class IsolatorError(Exception):
     """Base of every error this project raises on purpose."""
 
 
+class NotYet(IsolatorError):
+    """An expected "not yet" (a container still starting, say): the work is retried later, and it is no failure."""
+
+
 class ConfigError(IsolatorError):
     """A setting or flag has a value we cannot run with."""
 

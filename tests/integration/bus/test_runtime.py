@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import time
 
 import pytest
@@ -11,7 +12,7 @@ from aiohttp import ClientSession
 
 from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import Runtime
-from kai_isolator.shared.errors import BusError
+from kai_isolator.shared.errors import BusError, NotYet
 from kai_isolator.shared.events import (
     DeadLetter, HealthVerdict, InspectReply, InspectRequest, NodeStatus, PodIsolation, PodRef, decode,
 )
@@ -90,6 +91,31 @@ async def test_failing_handler_is_retried_with_growing_backoff(start_runtime: Ru
     assert len(attempts) == 3  # acked after success: no further delivery
     assert runtime.metrics.handled.labels("svc-pods", "retried")._value.get() == 2
     assert runtime.metrics.handled.labels("svc-pods", "ok")._value.get() == 1
+
+
+async def test_a_handler_not_ready_yet_is_retried_without_a_warning_and_a_failure_still_warns(
+    start_runtime: RuntimeFactory, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A typed "not yet" (a container still starting) is retried like a failure, but is no failure:
+    it is logged at info. Anything else a handler raises still warns."""
+    attempts: list[str] = []
+
+    async def first_try_fails(event: PodIsolation) -> None:
+        attempts.append(event.pod.name)
+        if attempts.count(event.pod.name) == 1:
+            raise NotYet("the container has not started") if event.pod.name == "starting" else RuntimeError("a bug")
+
+    caplog.set_level(logging.INFO, logger="kai_isolator.shared.bus")
+    runtime = await start_runtime("svc", lambda r: r.on_event("pods", subjects.ALL_PODS, first_try_fails))
+    await runtime.publish(pod_event("starting"))
+    await runtime.publish(pod_event("broken"))
+    await eventually(lambda: attempts.count("starting") == 2 and attempts.count("broken") == 2)
+    retries = [(r.levelno, r.getMessage(), getattr(r, "why", getattr(r, "error", ""))) for r in caplog.records
+               if getattr(r, "retry_in_s", None) is not None]
+    assert sorted(retries) == [
+        (logging.INFO, "not ready yet; will look again", "the container has not started"),
+        (logging.WARNING, "handler failed; will retry", "RuntimeError: a bug"),
+    ]
 
 
 async def test_message_that_keeps_failing_lands_on_the_dead_letter_subject(start_runtime: RuntimeFactory) -> None:
