@@ -58,6 +58,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 async def run(args: argparse.Namespace) -> int:
     settings = load(BusSettings, args)
+    if args.demo and args.log_level is None:
+        logging.getLogger().setLevel(logging.WARNING)  # the timeline is the demo's output, from the start
     async with bus_url(settings) as url, contextlib.AsyncExitStack() as stack:
         await _provision(url, settings)
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kai-isolator-dev-")))
@@ -67,8 +69,6 @@ async def run(args: argparse.Namespace) -> int:
         for component in registry.dev_components():
             await stack.enter_async_context(component(context))
         if args.demo:
-            if args.log_level is None:
-                logging.getLogger().setLevel(logging.WARNING)  # the timeline is the demo's output
             return await run_demo(context)
         with stop_signals() as stop:
             timeline = asyncio.create_task(_print_events(url, context.bus))

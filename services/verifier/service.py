@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 
 from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import Runtime
-from kai_isolator.shared.errors import IsolatorError
+from kai_isolator.shared.errors import IsolatorError, NotYet
 from kai_isolator.shared.events import HealthVerdict, InspectReply, InspectRequest, NodeStatus, PodIsolation, UsageReport
 from kai_isolator.shared.lease import Lease
 
@@ -37,8 +37,8 @@ from .view import NodeViews
 log = logging.getLogger(__name__)
 
 
-class NotObservableYet(IsolatorError):
-    """The container cannot be inspected right now (agent silent, no process yet): retry, never guess."""
+class NotObservableYet(NotYet):
+    """The container cannot be inspected yet (no node or container assigned, no process started): retry, never guess."""
 
 
 class NoProcessSeen(NotObservableYet):
@@ -321,7 +321,7 @@ class Verifier:
         request = InspectRequest(node_name=pod.node_name, pod=pod.pod, container=pod.container)
         reply = await self.runtime.request(request, timeout_s=self.settings.inspect_timeout_s)
         if not isinstance(reply, InspectReply):
-            raise NotObservableYet(f"node agent answered {reply.event_type}")
+            raise IsolatorError(f"node agent answered {reply.event_type}, not an inspection")  # a fault, not a "not yet"
         if not reply.found or not reply.processes:
             raise NoProcessSeen(f"no process of {pod.pod.namespace}/{pod.pod.name}:{pod.container} on {pod.node_name}: {reply.message}")
         return reply
@@ -470,6 +470,9 @@ class Verifier:
     async def _verify_logged(self, pod: PodIsolation, *, unless_in_flight: bool = False) -> None:
         try:
             await self.verify(pod, unless_in_flight=unless_in_flight)
+        except NotObservableYet as error:
+            log.info("cannot look inside the container yet; next pass looks again", extra={
+                "pod": f"{pod.pod.namespace}/{pod.pod.name}", "why": str(error)})
         except BUS_FAILURES as error:
             log.warning("re-verification deferred", extra={"pod": f"{pod.pod.namespace}/{pod.pod.name}", "error": f"{type(error).__name__}: {error}"})
 

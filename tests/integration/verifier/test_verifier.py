@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterable
 
 import pytest
@@ -117,6 +118,27 @@ async def test_container_without_processes_is_retried_not_judged(
     assert verdicts == []
     agent.limits["starting"] = "4147m"
     await eventually(lambda: len(verdicts) == 1, timeout_s=15)
+
+
+async def test_a_container_not_started_yet_is_retried_at_info_level_and_nothing_warns(
+    agent: ScriptedAgent, start_runtime: RuntimeFactory, bus_settings: BusSettings, verdicts: list[HealthVerdict],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No process yet is an expected state, not a failure: its retries (the event's and the passes') are
+    logged at info, in words, and nothing warns."""
+    caplog.set_level(logging.INFO, logger="kai_isolator")
+    patient = bus_settings.model_copy(update={"max_deliver": 20})  # the container starts well before retries run out
+    settings = VerifierSettings(kubernetes_events=False, reverify_s=3600, pending_retry_s=0.2, inspect_timeout_s=1,
+                                confirm_negative_after_s=0.2)
+    async with running(settings, patient, patient.nats_url or ""):
+        publisher = await start_runtime("watcher-stand-in")
+        await publisher.publish(pod_event("starting"))
+        await eventually(lambda: len(agent.requests) >= 4)
+        agent.limits["starting"] = "4147m"
+        await eventually(lambda: len(verdicts) == 1, timeout_s=15)
+    not_yet = [r for r in caplog.records if "no process of team-a/starting:main" in str(getattr(r, "why", getattr(r, "error", "")))]
+    assert not_yet and {r.levelno for r in not_yet} == {logging.INFO}, [(r.levelname, r.getMessage()) for r in not_yet]
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 async def test_same_observation_is_never_emitted_twice_even_across_a_restart(
