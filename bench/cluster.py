@@ -8,7 +8,11 @@ SIGKILLed, the leader SIGSTOPped (a partition, as the others see it), each with 
 to the victim and to the others. For each: the longest single publish wait, and how many events were
 stored and duplicated (none should be missing or twice). The client uses the services' defaults
 (ping interval, publish retry) unless told otherwise.
+The same faults under the watcher's pipelined publishing (its AckPipeline, `--lanes` publishes in flight,
+each retried as the watcher retries), with what awaits its ack sent again on a lost connection, and
+without (the baseline: each waits out the ack timeout), interleaved per fault.
 Run: .venv/bin/python bench/cluster.py [--events N] [--rounds R] [--fault-s S] [--ping-interval-s P] [--jetstream-timeout-s T]
+     [--lanes L] [--only steady,sequential,pipelined]
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ import nats
 import nats.errors
 from nats.js.api import AckPolicy, ConsumerConfig
 
+from kai_isolator.services.watcher.acks import AckPipeline
+from kai_isolator.services.watcher.settings import WatcherSettings
 from kai_isolator.shared import subjects
-from kai_isolator.shared.bus import Runtime
+from kai_isolator.shared.bus import HEADERS_CONTENT_TYPE, Runtime
 from kai_isolator.shared.embedded_nats import ClusterMember, EmbeddedCluster, EmbeddedNats
-from kai_isolator.shared.events import PodIsolation, PodRef
+from kai_isolator.shared.events import PodIsolation, PodRef, encode
 from kai_isolator.shared.settings import BusSettings
 
 IN_FLIGHT = 256
@@ -183,7 +189,68 @@ async def fault(cluster: EmbeddedCluster, settings: BusSettings, name: str, clie
             "stored": len(set(stored)), "twice": len(stored) - len(set(stored))}
 
 
-async def main(count: int, rounds: int, fault_s: float, ping_interval_s: float | None, jetstream_timeout_s: float | None) -> None:
+async def pipelined_fault(cluster: EmbeddedCluster, settings: BusSettings, name: str, client_on_victim: bool, fault_s: float,
+                          lanes: int, resend: bool) -> dict[str, object]:
+    """As `fault`, with `lanes` publishes in flight through the watcher's AckPipeline, each retried until stored
+    as the watcher's lanes retry (its default backoff); `resend`: what awaits its ack is sent again on a lost connection."""
+    leader = await stream_leader(cluster)
+    victim = leader if name != "follower SIGKILL" else next(m for m in cluster.members if m is not leader)
+    url = victim.url if client_on_victim else ",".join(m.url for m in cluster.members if m is not victim)
+    runtime = Runtime("bench-pipelined", settings)
+    await runtime.start(url)
+    acks = AckPipeline(runtime.connection, settings.jetstream_timeout_s, limit=4 * lanes)
+    await acks.start()
+    if resend:
+        runtime.on_disconnected(acks.resend)
+    watcher = WatcherSettings()
+    sent: list[str] = []
+    waits: list[float] = []
+    until = 0.0
+
+    async def lane() -> None:
+        while time.monotonic() < until:
+            pod = event()
+            data = encode(pod, runtime.service)
+            headers = {"Nats-Msg-Id": pod.dedup_id(), "Content-Type": HEADERS_CONTENT_TYPE}
+            started, delay = time.perf_counter(), watcher.backoff_base_s
+            while True:
+                try:
+                    await acks.publish(pod.subject(), data, headers)
+                    break
+                except (nats.errors.Error, asyncio.TimeoutError):  # the watcher's _retrying: wait, then the same again
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, watcher.backoff_max_s)
+            waits.append(time.perf_counter() - started)
+            sent.append(pod.resource_version)
+
+    async def publish_for(seconds: float) -> float:
+        nonlocal until
+        until, first = time.monotonic() + seconds, len(waits)
+        await asyncio.gather(*(lane() for _ in range(lanes)))
+        return max(waits[first:], default=0.0)
+
+    before = await publish_for(0.5)
+    if name == "leader SIGSTOP":
+        victim.pause()
+    else:
+        victim.kill()
+    worst = await publish_for(fault_s)
+    if name == "leader SIGSTOP":
+        victim.resume()
+    else:
+        await asyncio.to_thread(victim.start)
+    worst = max(worst, await publish_for(1.0))
+    await acks.stop()
+    await runtime.stop()
+    await asyncio.to_thread(victim.wait_until_current, 30)
+    ours = set(sent)
+    stored = [i for i in await stored_ids(cluster.url) if i in ours]
+    return {"fault": name, "on_victim": client_on_victim, "resend": resend, "worst_wait_s": worst, "steady_worst_s": before,
+            "sent": len(sent), "stored": len(set(stored)), "twice": len(stored) - len(set(stored))}
+
+
+async def main(count: int, rounds: int, fault_s: float, ping_interval_s: float | None, jetstream_timeout_s: float | None,
+               lanes: int, only: set[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="kai-bench-cluster-") as store:
         single = EmbeddedNats(Path(store) / "single")
         cluster = EmbeddedCluster(Path(store) / "cluster")
@@ -198,15 +265,30 @@ async def main(count: int, rounds: int, fault_s: float, ping_interval_s: float |
             one = BusSettings(nats_url=single.url, nats_replicas=1, **extra)
             three = BusSettings(nats_url=cluster.url, nats_replicas=3, **extra)
             results = {"one server (R1)": Steady(), "3-node cluster (R3)": Steady()}
-            for r in range(rounds):  # interleaved, so drift in machine load hits both alike
+            for r in range(rounds if "steady" in only else 0):  # interleaved, so drift in machine load hits both alike
                 await steady_round(single.url, one, count, results["one server (R1)"], f"one-{r}")
                 await steady_round(cluster.url, three, count, results["3-node cluster (R3)"], f"three-{r}")
-            faults = [await fault(cluster, three, name, on_victim, fault_s)
-                      for name in ("leader SIGKILL", "follower SIGKILL", "leader SIGSTOP") for on_victim in (False, True)]
+            setup = Runtime("bench-setup", three)  # the stream, when no steady round made it
+            await setup.start(cluster.url)
+            await setup.stop()
+            kinds = [(name, on_victim) for name in ("leader SIGKILL", "follower SIGKILL", "leader SIGSTOP") for on_victim in (False, True)]
+            faults = [await fault(cluster, three, name, on_victim, fault_s) for name, on_victim in kinds if "sequential" in only]
+            pipelined = [await pipelined_fault(cluster, three, name, on_victim, fault_s, lanes, resend)
+                         for name, on_victim in kinds if "pipelined" in only for resend in (False, True)]
         finally:
             single.stop()
             cluster.stop()
+        if "steady" in only:
+            print_steady(results, rounds, count)
+        print(f"\nfaults on the cluster, {fault_s:g}s each (ping interval {three.nats_ping_interval_s:g}s, "
+              f"JetStream timeout {three.jetstream_timeout_s:g}s, publish retry {three.publish_retry_s:g}s):")
+        if faults:
+            print_faults("publishing one at a time (Runtime.publish)", faults)
+        if pipelined:
+            print_pipelined(pipelined, lanes)
 
+
+def print_steady(results: dict[str, Steady], rounds: int, count: int) -> None:
     print(f"steady state: {rounds} interleaved rounds; {count} sequential publishes (one in flight, a consumer beside) "
           f"and {count * 4} with {IN_FLIGHT} in flight per round and setup")
     print(f"{'':<22}{'publish p50':>12}{'publish p99':>12}{'event p50':>11}{'event p99':>11}{'events/s':>11}")
@@ -217,12 +299,26 @@ async def main(count: int, rounds: int, fault_s: float, ping_interval_s: float |
         print(f"{label:<22}{f[0]:>10.2f}ms{f[1]:>10.2f}ms{f[2]:>9.2f}ms{f[3]:>9.2f}ms{f[4]:>11,.0f}")
     a, b = figures["3-node cluster (R3)"], figures["one server (R1)"]
     print(f"{'ratio R3/R1':<22}{a[0] / b[0]:>12.2f}{a[1] / b[1]:>12.2f}{a[2] / b[2]:>11.2f}{a[3] / b[3]:>11.2f}{a[4] / b[4]:>11.2f}")
-    print(f"\nfaults on the cluster, {fault_s:g}s each, publishing one at a time (ping interval {three.nats_ping_interval_s:g}s, "
-          f"JetStream timeout {three.jetstream_timeout_s:g}s, publish retry {three.publish_retry_s:g}s):")
+
+
+def print_faults(title: str, faults: list[dict[str, object]]) -> None:
+    print(title)
     print(f"{'fault':<18}{'client on':<12}{'worst wait':>11}{'steady worst':>14}{'sent':>7}{'stored':>8}{'twice':>7}")
     for f in faults:
         where = "the victim" if f["on_victim"] else "the others"
         print(f"{f['fault']:<18}{where:<12}{f['worst_wait_s']:>10.2f}s{f['steady_worst_s']:>13.3f}s{f['sent']:>7}{f['stored']:>8}{f['twice']:>7}")
+
+
+def print_pipelined(faults: list[dict[str, object]], lanes: int) -> None:
+    print(f"\nthe watcher's pipelined publishing, {lanes} lanes: worst publish wait (until stored) without / with the send again on a lost connection")
+    print(f"{'fault':<18}{'client on':<12}{'without':>9}{'with':>8}{'ratio':>7}{'steady worst':>14}{'sent':>7}{'stored':>8}{'twice':>7}")
+    for without, with_ in zip(faults[0::2], faults[1::2], strict=True):
+        where = "the victim" if with_["on_victim"] else "the others"
+        ratio = float(without["worst_wait_s"]) / max(float(with_["worst_wait_s"]), 1e-6)  # type: ignore[arg-type]
+        for f in (without, with_):
+            assert f["stored"] == f["sent"] and f["twice"] == 0, f"events lost or stored twice: {f}"
+        print(f"{with_['fault']:<18}{where:<12}{without['worst_wait_s']:>8.2f}s{with_['worst_wait_s']:>7.2f}s{ratio:>6.1f}x"
+              f"{with_['steady_worst_s']:>13.3f}s{with_['sent']:>7}{with_['stored']:>8}{with_['twice']:>7}")
 
 
 if __name__ == "__main__":
@@ -233,5 +329,8 @@ if __name__ == "__main__":
     parser.add_argument("--ping-interval-s", type=float, default=None, help="client ping interval (default: the services' default)")
     parser.add_argument("--jetstream-timeout-s", type=float, default=None,
                         help="how long one publish waits for its ack before retrying (default: the services' default)")
+    parser.add_argument("--lanes", type=int, default=16, help="pipelined publishes in flight for the watcher's fault rows")
+    parser.add_argument("--only", default="steady,sequential,pipelined", help="which parts to run, comma separated")
     options = parser.parse_args()
-    asyncio.run(main(options.events, options.rounds, options.fault_s, options.ping_interval_s, options.jetstream_timeout_s))
+    asyncio.run(main(options.events, options.rounds, options.fault_s, options.ping_interval_s, options.jetstream_timeout_s,
+                     options.lanes, set(options.only.split(","))))

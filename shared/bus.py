@@ -35,6 +35,7 @@ from .errors import BusError, DecodeError, FencedError, NotYet
 from .events import DeadLetter, ErrorReply, Payload, decode, encode
 from .probes import ProbeServer
 from .settings import BusSettings, nats_servers
+from .tasks import cancel_all
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class Runtime:
         self._stopping = asyncio.Event()
         self._in_flight: set[asyncio.Task[None]] = set()
         self._readiness_checks: list[Callable[[], str | None]] = []
+        self._disconnect_listeners: list[Callable[[], Awaitable[None]]] = []
 
     # --- binding ------------------------------------------------------------------------
 
@@ -128,6 +130,20 @@ class Runtime:
         """Bind `handler` to a durable consumer `<service>-<name>` of the event stream."""
         policy = DeliverPolicy.NEW if new_only else DeliverPolicy.ALL
         self._events.append(EventBinding(f"{self.service}-{name}", filter_subject, handler, accepted_types(handler), policy))
+
+    def on_disconnected(self, listener: Callable[[], Awaitable[None]]) -> Callable[[], None]:
+        """Await `listener` each time the connection drops, until the function returned is called.
+
+        What was sent and not yet acknowledged may never be (the server it went to may be gone):
+        a pipelined sender can send it again at once rather than wait out its ack timeout. It runs
+        before the client reconnects: what it sends is kept in the client's buffer and goes out first."""
+        self._disconnect_listeners.append(listener)
+
+        def forget() -> None:
+            if listener in self._disconnect_listeners:
+                self._disconnect_listeners.remove(listener)
+
+        return forget
 
     def on_broadcast(self, subject: str, handler: EventHandler) -> None:
         """Every event on `subject` to this instance too, by a plain subscription (no consumer, no queue group).
@@ -191,9 +207,8 @@ class Runtime:
                 await psub.unsubscribe()
         if self._in_flight:
             await asyncio.gather(*self._in_flight, return_exceptions=True)
-        if self._nc is not None and not self._nc.is_closed:
-            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
-                await self._nc.drain()
+        if self._nc is not None:
+            await end_connection(self._nc)
         if self._probe:
             await self._probe.stop()
         log.info("service stopped", extra={"service": self.service})
@@ -211,6 +226,11 @@ class Runtime:
 
     async def _on_disconnect(self) -> None:
         self.metrics.connected.set(0)
+        for listener in list(self._disconnect_listeners):
+            try:
+                await listener()
+            except Exception:  # noqa: BLE001 - the client awaits this before reconnecting: it must go on
+                log.exception("disconnect listener failed", extra={"service": self.service})
         if not self._stopping.is_set():
             log.warning("disconnected from NATS; reconnecting", extra={"service": self.service})
 
@@ -503,6 +523,26 @@ async def connect(settings: BusSettings, url: str, name: str, **callbacks: Calla
         return await asyncio.wait_for(nats.connect(**connect_options(settings, url, name, **callbacks)), settings.nats_connect_timeout_s)
     except (OSError, nats.errors.Error, asyncio.TimeoutError) as error:
         raise BusError(f"cannot reach NATS at {url} within {settings.nats_connect_timeout_s:g}s: {type(error).__name__}") from None
+
+
+async def end_connection(nc: NatsClient) -> None:
+    """Drain the connection, or close it where drain refuses (reconnecting through an outage), and wait
+    until the client's own tasks have ended: a client left reconnecting for ever outlives its service, and
+    its reconnect loop can come out of a cancel as from a failed attempt (3.11's wait_for returns a result
+    that raced the cancel), so one cancel, an event loop's last included, may not end it."""
+    def own() -> set[asyncio.Task[Any]]:
+        tasks = [nc._reconnection_task, nc._reading_task, nc._ping_interval_task, nc._flusher_task]
+        return {t for t in tasks + [sub._wait_for_msgs_task for sub in nc._subs.values()] if t is not None}
+
+    tasks = own()
+    if not nc.is_closed:
+        with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError, OSError):
+            await nc.drain()
+    if not nc.is_closed:
+        with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError, OSError):
+            await nc.close()
+    tasks |= own()
+    await cancel_all(t for t in tasks if not t.done() and t is not asyncio.current_task())
 
 
 async def _log_client_error(error: Exception) -> None:

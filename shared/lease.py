@@ -3,6 +3,8 @@
 Fencing: the holder acts only while `held()` (its own monotonic deadline, which ends before any
 contender may take over) and every renewal is a compare-and-set on the KV revision, so a
 holder that was paused past its term finds out on its next check instead of acting on.
+A term that runs out while NATS is unreachable is not lost: the holder stops acting and renews
+once NATS answers, and goes on only if nobody else wrote the key meanwhile.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class Lease:
         """The KV revision of our last write: the fencing token, None when not held."""
         self._deadline = 0.0
         self.lost = asyncio.Event()
+        self._changed = asyncio.Event()
+        """Set when a term is granted or the lease is lost: wakes `wait_held`."""
         self.holder_seen: str | None = None
         """The holder a waiting replica last saw (for logs and status)."""
 
@@ -66,8 +70,24 @@ class Lease:
     def check(self) -> None:
         """LeaseLostError unless `held()`; call before each step that must not be done twice."""
         if not self.held():
-            self.lost.set()
+            self._lose(keep_token=True)
             raise LeaseLostError(f"lease {self.key} no longer held by {self.holder}")
+
+    async def wait_held(self) -> None:
+        """Return while `held()`; after a term that ran out with NATS unreachable, once `keep()` has renewed it
+        (nothing may act meanwhile: another replica may have taken over); LeaseLostError once it is lost."""
+        while not self.held():
+            if self.token is None or self.lost.is_set():
+                self._lose(keep_token=True)
+                raise LeaseLostError(f"lease {self.key} no longer held by {self.holder}")
+            self._changed.clear()
+            await self._changed.wait()
+
+    def _lose(self, keep_token: bool = False) -> None:
+        if not keep_token:
+            self.token = None
+        self.lost.set()
+        self._changed.set()
 
     def _value(self) -> bytes:
         return LeaseRecord(holder=self.holder, ttl_s=self.ttl_s).model_dump_json().encode()
@@ -77,6 +97,7 @@ class Lease:
         self.token = revision
         self._deadline = sent_at + self.ttl_s * 0.8
         self.lost.clear()
+        self._changed.set()
 
     async def try_acquire(self, observed: dict[str, tuple[int, float]] | None = None) -> bool:
         """One attempt: create the key, or take it over once its revision stood still for a whole ttl.
@@ -120,6 +141,7 @@ class Lease:
     async def acquire(self, stopping: asyncio.Event | None = None) -> bool:
         """Wait until held (True) or `stopping` is set (False); bus failures are waited out."""
         observed: dict[str, tuple[int, float]] = {}
+        self.holder_seen = None
         waiting_logged = False
         while stopping is None or not stopping.is_set():
             try:
@@ -128,7 +150,8 @@ class Lease:
                     return True
             except _BUS_FAILURES as error:
                 log.debug("lease attempt failed", extra={"lease": self.key, "error": repr(error)})
-            if not waiting_logged:
+            # Only a rival is named as one: our own earlier term, or no answer from NATS, is not a rival.
+            if not waiting_logged and self.holder_seen not in (None, self.holder):
                 log.info("standing by: lease held by another replica", extra={"lease": self.key, "holder": self.holder_seen})
                 waiting_logged = True
             await _sleep_unless(stopping, self.ttl_s / 4)
@@ -140,27 +163,53 @@ class Lease:
             raise LeaseLostError(f"lease {self.key} is not held")
         sent_at = time.monotonic()
         try:
-            self._granted(await self.kv.update(self.key, self._value(), last=self.token), sent_at)
+            revision = await self.kv.update(self.key, self._value(), last=self.token)
         except nats.js.errors.KeyWrongLastSequenceError:
-            self.token = None
-            self.lost.set()
+            revision = await self._renew_over_own_write()
+        self._granted(revision, sent_at)
+
+    async def _renew_over_own_write(self) -> int:
+        """The key moved past our token. A renewal that timed out on our side can still land later (nats-py
+        sends what it buffered while reconnecting): when the key holds our own value, every write since our
+        token was ours (a rival's write would name it and fence out our later ones), so renew on top of it."""
+        try:
+            entry = await self.kv.get(self.key)
+            record = _record(entry.value or b"")
+            if record is None or record.holder != self.holder:
+                raise LeaseLostError(f"lease {self.key} was taken over by {record.holder if record else 'another replica'}")
+            return await self.kv.update(self.key, self._value(), last=entry.revision)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyWrongLastSequenceError):
             raise LeaseLostError(f"lease {self.key} was taken over") from None
+        except LeaseLostError:
+            self._lose()
+            raise
 
     async def keep(self) -> None:
-        """Renew every third of the ttl until lost; a bus outage is retried until the term runs out."""
-        while True:
-            await asyncio.sleep(self.ttl_s / 3)
+        """Renew every third of the ttl until lost. A renewal NATS does not answer is tried again soon; past the
+        term's end nothing acts (`held()` is False) and renewing goes on, so one replica cut off from NATS for
+        longer than its term keeps its lease when nobody took it over meanwhile, instead of giving it up to nobody."""
+        lapsed = failing = False
+        while not self.lost.is_set():
+            await asyncio.sleep(min(0.5, self.ttl_s / 10) if failing else self.ttl_s / 3)
             try:
                 await self.renew()
             except LeaseLostError:
+                self._lose()
                 log.warning("lease lost", extra={"lease": self.key, "holder": self.holder})
                 return
             except _BUS_FAILURES as error:
-                if not self.held():
-                    self.token = None
-                    self.lost.set()
-                    log.warning("lease ran out while NATS was unreachable", extra={"lease": self.key, "error": repr(error)})
-                    return
+                failing = True
+                if not self.held() and not lapsed:
+                    lapsed = True
+                    log.warning("lease term ran out while NATS was unreachable; renewing once it answers",
+                                extra={"lease": self.key, "error": repr(error)})
+                continue
+            except Exception:
+                self._lose()  # whoever waits in wait_held() must not wait for a keeper that is gone
+                raise
+            if lapsed:
+                log.info("lease renewed after NATS returned: nobody took it over", extra={"lease": self.key, "holder": self.holder})
+            lapsed = failing = False
 
     async def release(self) -> None:
         """Give the lease up at once (graceful stop), so a standby need not wait out the ttl."""

@@ -16,7 +16,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from . import subjects
-from .bus import connect
+from .bus import connect, end_connection
 from .errors import ConfigError, DecodeError
 from .events import Envelope, Payload, decode
 from .settings import BusSettings, parse_duration
@@ -64,8 +64,7 @@ async def follow(url: str, subject: str = subjects.ALL_EVENTS, since: datetime |
                 yield _received(msg)
     finally:
         await follower.close()
-        with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
-            await nc.drain()
+        await end_connection(nc)  # even while reconnecting: no reconnect loop outlives the reader
 
 
 def _received(msg: Msg) -> Received:

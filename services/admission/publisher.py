@@ -23,6 +23,7 @@ from kai_isolator.shared import frames, subjects
 from kai_isolator.shared.bus import DUPLICATE_IN_PROCESS, HEADERS_CONTENT_TYPE, Runtime
 from kai_isolator.shared.errors import DecodeError
 from kai_isolator.shared.events import AdmissionDecision
+from kai_isolator.shared.tasks import cancel_all
 
 from .answer import DecisionRecord
 
@@ -142,11 +143,8 @@ class DecisionPublisher:
             deadline = time.monotonic() + grace_s
             while self.pending and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-        for task in self._tasks:
-            # Cancel until done: a cancellation landing inside the NATS client can be swallowed once.
-            while not task.done():
-                task.cancel()
-                await asyncio.wait({task}, timeout=0.1)
+        # The sweep too, ended here: a cancellation landing inside the NATS client can be swallowed once.
+        await cancel_all(self._tasks, recancel_s=0.1)
         if self._outcomes:
             self._count_acks()
         for _ in range(self.pending):
@@ -162,7 +160,8 @@ class DecisionPublisher:
         connection = self._runtime.connection
         self._inbox = connection.new_inbox()
         await connection.subscribe(f"{self._inbox}.*", cb=self._on_ack, pending_msgs_limit=0, pending_bytes_limit=0)
-        sweeper = asyncio.create_task(self._sweep(), name="admission-publisher-sweep")
+        self._tasks.append(asyncio.create_task(self._sweep(), name="admission-publisher-sweep"))
+        forget = self._runtime.on_disconnected(self._send_all_again)
         try:
             while True:
                 await self._wake.wait()
@@ -170,9 +169,7 @@ class DecisionPublisher:
                 self._wake.clear()
                 await self._send_buffered()
         finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
+            forget()
 
     async def _send_buffered(self) -> None:
         assert self._runtime is not None
@@ -226,6 +223,14 @@ class DecisionPublisher:
                 self._count_acks()  # the round is in: the counts are current whenever nothing is outstanding
         if self._buffer and not self._wake.is_set():
             self._wake.set()
+
+    async def _send_all_again(self) -> None:
+        """The connection dropped: acks still due may never come; the sweep sends those decisions again
+        at once (stored once: their Nats-Msg-Id is the same) instead of after the ack timeout."""
+        now = time.monotonic()
+        for entry in self._inflight.values():
+            if entry.resend_at is None:
+                entry.resend_at = now
 
     def _reinsert(self, entry: _InFlight) -> None:
         self._next_token += 1

@@ -1,6 +1,7 @@
 """Pipelined JetStream publishes: every ack comes back on one subscription, no request/timer/task per message.
 
 Bounded: at most `limit` publishes await their ack; a missing ack fails its publish after `timeout_s`.
+A lost connection sends what awaits its ack again at once (`resend`), instead of each waiting out `timeout_s`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ class Ack:
     duplicate: bool
 
 
+class _Waiting:
+    """One publish sent and awaiting its ack: what to send again if the connection drops."""
+
+    __slots__ = ("future", "subject", "data", "headers", "token")
+
+    def __init__(self, future: asyncio.Future[Ack], subject: str, data: bytes, headers: dict[str, str], token: str) -> None:
+        self.future, self.subject, self.data, self.headers, self.token = future, subject, data, headers, token
+
+
 class AckPipeline:
     """`publish()` awaits the stream's ack as `js.publish` would, while many of them are in flight at once."""
 
@@ -39,7 +49,7 @@ class AckPipeline:
         self._room = asyncio.Semaphore(limit)
         self._prefix = ""
         self._tokens = itertools.count()
-        self._waiting: dict[str, asyncio.Future[Ack]] = {}
+        self._waiting: dict[str, _Waiting] = {}
         self._deadlines: deque[tuple[float, str]] = deque()  # send order is deadline order: one timeout for all
         self._subscription: Subscription | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -66,40 +76,57 @@ class AckPipeline:
     async def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> Ack:
         """Store one message; nats.js.errors.APIError for the stream's refusal, TimeoutError, or a nats error."""
         async with self._room:
-            token = str(next(self._tokens))
-            future: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
-            self._waiting[token] = future
-            self._deadlines.append((time.monotonic() + self.timeout_s, token))
+            waiting = _Waiting(asyncio.get_running_loop().create_future(), subject, data, headers, str(next(self._tokens)))
+            self._waiting[waiting.token] = waiting
+            self._deadlines.append((time.monotonic() + self.timeout_s, waiting.token))
             try:
-                await frames.publish(self.nc, subject, data, self._prefix + token, headers)
-                return await future
+                await frames.publish(self.nc, subject, data, self._prefix + waiting.token, headers)
+                return await waiting.future
             finally:
-                self._waiting.pop(token, None)
+                self._waiting.pop(waiting.token, None)
+
+    async def resend(self) -> None:
+        """The connection dropped: the acks awaited may never come (the server that took the messages may be
+        gone). Each message is sent again now, under a new reply token and deadline; the client keeps it until
+        it has reconnected. The stream stores it once: its Nats-Msg-Id is the same, and a compare-and-set that
+        had landed is refused as one (the caller recognises its own write)."""
+        for waiting in list(self._waiting.values()):
+            if waiting.future.done():
+                continue
+            del self._waiting[waiting.token]
+            waiting.token = str(next(self._tokens))
+            self._waiting[waiting.token] = waiting
+            self._deadlines.append((time.monotonic() + self.timeout_s, waiting.token))
+            try:
+                await frames.publish(self.nc, waiting.subject, waiting.data, self._prefix + waiting.token, waiting.headers)
+            except nats.errors.Error as error:  # closed, or no room left in the client's buffer: the caller decides
+                self._waiting.pop(waiting.token, None)
+                waiting.future.set_exception(error)
 
     async def _on_ack(self, msg: Msg) -> None:
-        future = self._waiting.pop(msg.subject[len(self._prefix):], None)
-        if future is None or future.done():
-            return  # timed out already
+        waiting = self._waiting.pop(msg.subject[len(self._prefix):], None)
+        if waiting is None or waiting.future.done():
+            return  # timed out already, or the ack of a copy sent before the connection dropped
         try:
-            future.set_result(_ack(msg))
+            waiting.future.set_result(_ack(msg))
         except Exception as error:  # noqa: BLE001 - whatever the answer, its publish must not wait for ever
-            future.set_exception(error)
+            waiting.future.set_exception(error)
 
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(min(0.1, self.timeout_s / 4))
             now = time.monotonic()
             while self._deadlines and self._deadlines[0][0] <= now:
-                future = self._waiting.pop(self._deadlines.popleft()[1], None)
-                if future is not None and not future.done():
-                    future.set_exception(asyncio.TimeoutError())
+                waiting = self._waiting.pop(self._deadlines.popleft()[1], None)
+                if waiting is not None and not waiting.future.done():
+                    waiting.future.set_exception(asyncio.TimeoutError())
             if not self._waiting:
                 self._deadlines.clear()
 
     def _fail_all(self, error: Exception) -> None:
-        for future in self._waiting.values():
-            if not future.done():
-                future.set_exception(error)
+        for waiting in self._waiting.values():
+            if not waiting.future.done():
+                waiting.future.set_exception(error)
         self._waiting.clear()
         self._deadlines.clear()
 

@@ -217,6 +217,7 @@ class PodWatcher:
         self._lanes = Lanes(self.settings.lanes, self._progress)
         self._acks = AckPipeline(self.runtime.connection, self.runtime.settings.jetstream_timeout_s, limit=4 * self.settings.lanes)
         await self._retrying("bus", self._acks.start)
+        forget_acks = self.runtime.on_disconnected(self._acks.resend)
         try:
             await self._retrying("bus", self._load_state)
             await self._retrying("bus", self._recover)
@@ -227,6 +228,7 @@ class PodWatcher:
                 group.create_task(self._saver(), name="watch-resume-saver")
                 group.create_task(self._loop(), name="watch-read")
         finally:
+            forget_acks()
             await self._acks.stop()
 
     async def _loop(self) -> None:
@@ -303,7 +305,7 @@ class PodWatcher:
         return await self._list()
 
     async def _note_relist(self, version: str | None) -> None:
-        self.lease.check()
+        await self.lease.wait_held()
         kv = self.runtime.kv(self.settings.resume_bucket)
         if version is None:
             await kv.delete(self._relist_key)
@@ -475,7 +477,7 @@ class PodWatcher:
         known = self._tips.get(subject)
         if known is not None and known[1] == event_id:
             return  # a previous holder (or our own lost ack) already stored it
-        self.lease.check()
+        await self.lease.wait_held()
         data = encode_event(event, self.runtime.service)
         try:
             ack = await self._send(subject, data, event_id, known[0] if known else 0)
@@ -487,7 +489,7 @@ class PodWatcher:
                 return
             if known is not None:
                 raise LeaseLostError(f"{subject} was written by another watcher; resynchronising from KV") from None
-            self.lease.check()
+            await self.lease.wait_held()
             try:
                 ack = await self._send(subject, data, event_id, seq)
             except FencedError:
@@ -524,7 +526,7 @@ class PodWatcher:
     async def _put_record(self, record: PodRecord) -> None:
         """Write a pod's record: a compare-and-set on the revision we know (create: on none), pipelined like a publish."""
         assert self._acks is not None
-        self.lease.check()
+        await self.lease.wait_held()
         bucket, key = self.settings.state_bucket, self._record_key(record.uid)
         value = record.model_dump_json().encode()
         last = self._revisions.get(record.uid)
@@ -533,11 +535,23 @@ class PodWatcher:
         except nats.js.errors.APIError as error:
             if error.err_code != WRONG_LAST_SEQUENCE:
                 raise
-            if last is not None:
+            landed = await self._landed(key, value)  # sent again on a lost connection after the first had landed
+            if landed is not None:
+                revision = landed
+            elif last is not None:
                 raise LeaseLostError(f"pod record {key} was written by another watcher; resynchronising from KV") from None
-            revision = await self._create_over_marker(key, value)
+            else:
+                revision = await self._create_over_marker(key, value)
         self._revisions[record.uid] = revision
         self.records[record.uid] = _slim(record)
+
+    async def _landed(self, key: str, value: bytes) -> int | None:
+        """The revision of `key` when its latest value is exactly `value`: our own earlier copy of this write, stored."""
+        try:
+            entry = await self.runtime.kv(self.settings.state_bucket).get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return entry.revision if entry.value == value else None
 
     async def _create_over_marker(self, key: str, value: bytes) -> int:
         """A create where the key was deleted before (a delete marker is its last entry): nats-py's create handles that."""
@@ -547,7 +561,7 @@ class PodWatcher:
             raise LeaseLostError(f"pod record {key} was written by another watcher; resynchronising from KV") from None
 
     async def _drop_record(self, record: PodRecord) -> None:
-        self.lease.check()
+        await self.lease.wait_held()
         key = self._record_key(record.uid)
         try:
             await self.runtime.kv(self.settings.state_bucket).delete(key, last=self._revisions.get(record.uid))
@@ -579,7 +593,7 @@ class PodWatcher:
             return
         async with contextlib.nullcontext() if locked else self._state:
             version = self.resource_version
-            self.lease.check()
+            await self.lease.wait_held()
             await self.runtime.kv(self.settings.resume_bucket).put(self._resume_key, version.encode())
             self._saved_version, self._saved_at = version, time.monotonic()
             self._progress.advanced = 0
@@ -638,7 +652,7 @@ class PodWatcher:
             try:
                 return await action(*args, **kwargs)
             except (BusError, nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as error:
-                self.lease.check()  # a leader that cannot renew through the outage stops acting when its term ends
+                await self.lease.wait_held()  # past its term a leader acts again only once it renewed (nobody took over)
                 if self._stopping.is_set():
                     log.warning("bus unavailable while stopping; unsaved changes replay after restart", extra={"error": repr(error)})
                     raise _Stopping from None

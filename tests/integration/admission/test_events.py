@@ -4,6 +4,7 @@ with NATS gone the webhook keeps answering every request while counting what it 
 from __future__ import annotations
 
 import asyncio
+import signal
 from typing import Any
 
 import aiohttp
@@ -139,3 +140,28 @@ async def test_nats_stopped_mid_load_costs_no_answer(
     await eventually(lambda: server.publisher.pending == 0, timeout_s=30)
     await burst("after", 10)
     await eventually(lambda: any(e.request_uid.startswith("after-") for e in seen), timeout_s=30)
+
+
+async def test_decisions_whose_acks_died_with_the_server_are_sent_again_on_reconnect_and_stored_once(
+    start_webhook: Any, start_runtime: RuntimeFactory, bus_settings: BusSettings, nats_server: Any,
+    client: aiohttp.ClientSession, reviews: Any,
+) -> None:
+    # The ack timeout is put out of the test's reach (30 s): only a send again on the lost connection
+    # can store these decisions in time. SIGSTOP first, so they reach the server's socket and die in it.
+    gpu_pod, review_bytes = reviews
+    seen = await subscribe(start_runtime)
+    server = await start_webhook(bus_settings.model_copy(update={"jetstream_timeout_s": 30.0}))
+    await eventually(server.publisher.bus_ready.is_set)
+    await mutate(client, server.url, review_bytes(gpu_pod("first"), uid="first"))
+    await eventually(lambda: len(seen) == 1)
+    nats_server._process.send_signal(signal.SIGSTOP)
+    for i in range(20):
+        await mutate(client, server.url, review_bytes(gpu_pod(f"p{i}"), uid=f"lost-{i}"))
+    await eventually(lambda: server.publisher.pending == 20 and not server.publisher._buffer)  # all sent, none acked
+    nats_server.kill()
+    nats_server.start()
+    await eventually(lambda: server.publisher.pending == 0, timeout_s=20)
+    await eventually(lambda: len(seen) == 21, timeout_s=20)
+    await asyncio.sleep(0.2)
+    assert sorted(e.request_uid for e in seen) == sorted(["first", *(f"lost-{i}" for i in range(20))])
+    assert sum(metric(server, "kai_isolator_admission_events_dropped_total", reason=r) for r in ("queue_full", "publish_failed")) == 0

@@ -4,9 +4,12 @@ reaches a durable consumer exactly once."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 from collections import Counter
+
+import pytest
 
 from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.services.watcher.settings import WatcherSettings
@@ -131,4 +134,25 @@ async def test_nats_outage_during_churn_loses_nothing(dev_cluster: DevCluster, n
     await eventually(lambda: all(pod_events.states(f"during-{i}")[:4] == FULL_STORY for i in range(15)) and "deleted" in pod_events.states("during-0") and "deleted" in pod_events.states("before"), timeout_s=40)
     assert pod_events.states("during-0") == [*FULL_STORY, "deleted"]
     assert pod_events.states("before") == [*FULL_STORY, "deleted"]
+    assert_exactly_once(pod_events)
+
+
+async def test_a_nats_outage_past_the_lease_term_keeps_the_lone_watcher_leading(
+        dev_cluster: DevCluster, nats_server: EmbeddedNats, start_watcher, pod_events: PodEvents, caplog: pytest.LogCaptureFixture) -> None:
+    # The shipped lease (10 s, a term of 8 s) and an outage past its term whenever the last renewal was: the one
+    # watcher stops acting, then renews the lease nobody took over instead of stepping down and taking it back.
+    watcher, _ = await start_watcher(lease_ttl_s=WatcherSettings.model_fields["lease_ttl_s"].default)
+    await dev_cluster.create("pods", gpu_pod("before"), "default")
+    await eventually(lambda: pod_events.states("before") == FULL_STORY)
+    with caplog.at_level(logging.INFO, logger="kai_isolator.shared.lease"):
+        await asyncio.to_thread(nats_server.stop)
+        await dev_cluster.create("pods", gpu_pod("during"), "default")
+        await asyncio.sleep(watcher.settings.lease_ttl_s * 0.8 + 1)
+        assert not watcher.lease.held()  # past its term it does nothing a rival might be doing
+        await asyncio.to_thread(nats_server.start)
+        await eventually(lambda: pod_events.states("during") == FULL_STORY, timeout_s=30)
+    assert watcher.metrics.step_downs._value.get() == 0 and watcher.metrics.leader._value.get() == 1 and watcher.lease.held()
+    said = [r.getMessage() for r in caplog.records]
+    assert any("lease term ran out" in m for m in said) and not any("standing by" in m for m in said), said
+    assert pod_events.states("before") == FULL_STORY
     assert_exactly_once(pod_events)

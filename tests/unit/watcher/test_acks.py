@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator
 
 import nats
+import nats.aio.msg
 import nats.js.errors
 import orjson
 import pytest
 from nats.aio.client import Client as NatsClient
 from nats.js.api import StreamConfig
 
-from kai_isolator.services.watcher.acks import AckPipeline
+from kai_isolator.services.watcher.acks import Ack, AckPipeline
 from kai_isolator.services.watcher.wire import encode_event
 from kai_isolator.shared.embedded_nats import EmbeddedNats
 from kai_isolator.shared.events import PodIsolation, PodRef, Reason, decode, encode
@@ -61,6 +63,54 @@ async def test_a_missing_ack_times_out(nc: NatsClient) -> None:
         with pytest.raises(asyncio.TimeoutError):
             await acks.publish("silent", b"x", {})
         assert acks.in_flight == 0
+    finally:
+        await acks.stop()
+
+
+async def test_a_lost_connection_sends_what_awaits_its_ack_again_at_once(nc: NatsClient) -> None:
+    # As when the server a message went through dies with its ack: the copy sent again gets the answer,
+    # and an answer to the first copy (a late one) is ignored.
+    copies: list[str] = []
+
+    async def take(msg: nats.aio.msg.Msg) -> None:
+        copies.append(msg.reply)
+
+    await nc.subscribe("silent", cb=take)
+    acks = AckPipeline(nc, timeout_s=30)
+    await acks.start()
+    try:
+        waiting = asyncio.create_task(acks.publish("silent", b"x", {"Nats-Msg-Id": "m"}))
+        while len(copies) < 1:
+            await asyncio.sleep(0.01)
+        await acks.resend()
+        while len(copies) < 2:
+            await asyncio.sleep(0.01)
+        assert copies[0] != copies[1]
+        await nc.publish(copies[0], orjson.dumps({"stream": "T", "seq": 1}))
+        await nc.publish(copies[1], orjson.dumps({"stream": "T", "seq": 1, "duplicate": True}))
+        assert await asyncio.wait_for(waiting, 5) == Ack(1, True)
+        assert acks.in_flight == 0
+    finally:
+        await acks.stop()
+
+
+async def test_through_a_server_restart_the_message_sent_again_is_stored_once(nats_server: EmbeddedNats, nc: NatsClient) -> None:
+    # The ack timeout is out of reach (30 s): only the copy sent again on reconnect can be answered in time.
+    acks = AckPipeline(nc, timeout_s=30)
+    nc._disconnected_cb = acks.resend  # what Runtime.on_disconnected does for the watcher
+    await acks.start()
+    try:
+        await acks.publish("t.before", b"x", {"Nats-Msg-Id": "before"})
+        assert nats_server._process is not None
+        nats_server._process.send_signal(signal.SIGSTOP)  # the messages reach its socket, never the server
+        waiting = [asyncio.create_task(acks.publish(f"t.{i}", b"x", {"Nats-Msg-Id": str(i)})) for i in range(20)]
+        await asyncio.sleep(0.3)
+        nats_server.kill()
+        nats_server.start()
+        answers = await asyncio.wait_for(asyncio.gather(*waiting), 20)
+        assert len({a.seq for a in answers}) == 20
+        info = await nc.jetstream().stream_info("T")
+        assert info.state.messages == 21
     finally:
         await acks.stop()
 
