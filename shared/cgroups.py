@@ -41,17 +41,21 @@ class ContainerCgroup:
 def parse_cgroup_path(path: str) -> ContainerCgroup | None:
     """The container a cgroup path names, or None for anything that is not a kubelet container cgroup.
 
-    Paths may be relative to the reader's cgroup namespace (`/../../kubepods/...`): only the
-    last two components decide.
+    Paths may be relative to the reader's cgroup namespace (`/../../kubepods/...`). The first pod
+    component followed by a container component decides, from the root down: that part is the
+    kubelet's, and whatever lies below it (a cgroup the tenant made inside its own, even one named
+    like another pod's container) is still that container's.
     """
     parts = [part for part in path.strip().split("/") if part]
-    if len(parts) < 2:
-        return None
-    container = _CONTAINER.match(parts[-1])
-    pod = _POD.search(parts[-2])
-    if not container or not pod:
-        return None
-    return ContainerCgroup(pod.group(1).replace("_", "-"), container.group(2), _RUNTIME_BY_PREFIX[container.group(1)])
+    for above, part in zip(parts, parts[1:]):
+        pod = _POD.search(above)
+        if pod is None:
+            continue
+        container = _CONTAINER.match(part)
+        if container is None:
+            return None  # the pod's own cgroup (or a tenant's below it): no container of the kubelet's
+        return ContainerCgroup(pod.group(1).replace("_", "-"), container.group(2), _RUNTIME_BY_PREFIX[container.group(1)])
+    return None
 
 
 def parse_proc_cgroup(text: str) -> ContainerCgroup | None:

@@ -379,6 +379,16 @@ class ProcessReport(BaseModel):
                                                                       "None: the driver's view is unavailable")
 
 
+class DriverDeviceUsage(BaseModel):
+    """A container's total on one device as the driver (NVML) shows it, and what the node holds it to."""
+
+    model_config = ConfigDict(frozen=True)
+    uuid: str
+    used_bytes: int = Field(ge=0, description="what the container's processes hold on the device, by the driver")
+    grant_bytes: int = Field(ge=0, description="the node's grant on the device; 0 where it granted nothing")
+    allowance_bytes: int = Field(ge=0, description="the container's allowance for the driver's context reservations")
+
+
 class InspectReply(Payload):
     TYPES = ("io.kai-isolator.node.inspect.reply.v1",)
     node_name: str
@@ -391,6 +401,8 @@ class InspectReply(Payload):
     message: str = ""
     usage_cache_tampered: list[str] = Field(default_factory=list, description="what shows the accounting file was tampered with")
     driver_view: bool = Field(False, description="device_memory_bytes of each process comes from the driver (NVML)")
+    driver_devices: list[DriverDeviceUsage] = Field(default_factory=list, description="with driver_view: the container's total on "
+                                                                                       "each device it holds memory on, against its grant")
 
 
 class InstallRequest(Payload):

@@ -79,7 +79,6 @@ class Desired:
         self.env_named: dict[str, Json] = {e["name"]: e for e in env}
         self.mounts_by_path: dict[str, Json] = {m["mountPath"]: m for m in mounts}
         self.volume_names = frozenset(self.volumes_by_name)
-        # The grant's name is ours even where this target gets no grant (an init container).
         self.guarded = self.volume_names | {GRANT_VOLUME}
 
     def volume(self, name: str) -> Json | None:
@@ -279,7 +278,7 @@ class Shapes:
 
     def __init__(self, config: InjectionConfig) -> None:
         self.config = config
-        self._built: dict[tuple[bool, str], Desired] = {}
+        self._built: dict[str, Desired] = {}
         self._clean: dict[tuple[Desired, str, bool, bool, bool], tuple[bytes, int]] = {}
 
     def clean_patch(self, view: PodView, target: Target, desired: Desired) -> tuple[bytes, int]:
@@ -296,7 +295,7 @@ class Shapes:
         return patch
 
     def desired(self, target: Target) -> Desired:
-        key = (True, "") if target.is_init else (False, target.name)
+        key = target.name  # an init-container target gets what a main-container target gets
         desired = self._built.get(key)
         if desired is None:
             if len(self._built) >= _DESIRED_PER_CONFIG:
@@ -312,8 +311,8 @@ def build_desired(target: Target, config: InjectionConfig) -> Desired:
         {"name": VGPU_VOLUME, "mountPath": lib, "readOnly": True},
         {"name": VGPU_VOLUME, "mountPath": PRELOAD_PATH, "subPath": PRELOAD_SUBPATH, "readOnly": True},
     ]
-    if target.is_init:
-        return Desired(tuple(volumes), tuple(mounts), ())
+    # An init-container target gets the same grant, state dir and env as a main-container one: without
+    # them its library would take the limit from the environment, which the tenant controls.
     per_container = f"$(POD_UID)_{target.name}"
     volumes.append({"name": STATE_VOLUME, "hostPath": {"path": config.state_dir, "type": "DirectoryOrCreate"}})
     # The node agent's grant (root-owned, read-only here): the limits the library obeys whatever the env says.
@@ -425,8 +424,7 @@ def patch_ops(view: PodView, target: Target, config: InjectionConfig, desired: D
 
 def _read_only_fixes(view: PodView, target: Target, desired: Desired) -> list[Op]:
     """Any other mount of a volume we define becomes read-only: the library dir is the node's,
-    and the state dir holds every container's accounting. The grant's name is ours even where
-    this target gets no grant (an init container): nobody may write under that name."""
+    and the state dir holds every container's accounting; nobody may write under the grant's name."""
     ops: list[Op] = []
     for field, index, _container, j, mount, path in view.our_mounts:
         if mount["name"] not in desired.guarded or mount.get("readOnly") is True:

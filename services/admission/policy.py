@@ -17,6 +17,9 @@ __all__ = ["ESCAPE_ENV", "GRANT_ENV", "PER_DEVICE_LIMIT_PREFIX", "Verdict", "fin
 CONFINING_SECCOMP = frozenset({"RuntimeDefault", "Localhost"})
 # Capabilities that let a process remount /etc/ld.so.preload or leave the container's view.
 ESCAPE_CAPABILITIES = frozenset({"ALL", "SYS_ADMIN", "SYS_PTRACE", "SYS_MODULE"})
+# The NVIDIA container runtime's device selector, and the values that give a container no GPU.
+DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
+NO_DEVICES = frozenset({"", "void", "none"})
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ ALLOWED = Verdict(True)
 def findings(view: PodView, target: Target, desired: Desired, config: InjectionConfig) -> list[str]:
     """Every escape attempt in the pod as it was submitted, one line each."""
     found = _target_findings(target, desired, config)
+    found += _other_container_findings(view, target)
     found += _seccomp_findings(view, target)
     found += _volume_findings(view.volumes or [], desired, config)
     if view.our_mounts:
@@ -73,10 +77,36 @@ def _target_findings(target: Target, desired: Desired, config: InjectionConfig) 
             found.append(f"container {name} mounts its own {PRELOAD_PATH} (volume {mount.get('name')})")
         elif is_within(path, config.container_vgpu_mount):
             found.append(f"container {name} mounts volume {mount.get('name')} over the library directory at {path}")
-        elif not target.is_init and is_within(path, STATE_MOUNT_PATH):
+        elif is_within(path, STATE_MOUNT_PATH):
             found.append(f"container {name} mounts volume {mount.get('name')} over its state directory at {path}")
-        elif not target.is_init and is_within(path, GRANT_MOUNT_PATH):
+        elif is_within(path, GRANT_MOUNT_PATH):
             found.append(f"container {name} mounts volume {mount.get('name')} over its grant directory at {path}")
+    return found
+
+
+def _other_container_findings(view: PodView, target: Target) -> list[str]:
+    """Every container of the pod besides the target: the node grants it no GPU memory, so it must not
+    ask the runtime for a GPU, see every GPU, or be able to reach into the target."""
+    found: list[str] = []
+    for field, index, container in view.all_containers():
+        if field == target.field and index == target.index:
+            continue
+        name = container["name"]
+        for item in container.get("env") or ():
+            if isinstance(item, dict) and item.get("name") == DEVICES_ENV:
+                value = item.get("value")
+                if item.get("valueFrom") is not None or not isinstance(value, str) or value.strip().lower() not in NO_DEVICES:
+                    found.append(f"container {name} sets {DEVICES_ENV}: only the GPU-share target ({target.name}) may reach the GPU, "
+                                 "and the node grants the others nothing")
+        if container.get("envFrom"):
+            found.append(f"container {name} takes env from envFrom sources the webhook cannot check (they may set {DEVICES_ENV})")
+        security = _object(container.get("securityContext"))
+        if security.get("privileged") is True:
+            found.append(f"container {name} is privileged and would see every GPU")
+        added_list = _object(security.get("capabilities")).get("add")
+        added = {str(c).upper().removeprefix("CAP_") for c in added_list} if isinstance(added_list, list) else set()
+        for capability in sorted(added & ESCAPE_CAPABILITIES):
+            found.append(f"container {name} adds capability {capability}, enough to reach into the target and undo its preload")
     return found
 
 

@@ -54,8 +54,8 @@ def cgroup_hierarchies(root: Path = CGROUP_ROOT) -> tuple[Path, ...]:
 class CgroupPlacement:
     """Where this kubelet puts containers: `<hierarchy>/<prefix>/<kubelet's path>` in each hierarchy.
 
-    The prefix keeps concurrent kubelets (tests, demos) apart; the node agent reads only the
-    last two components of a path (pod, container), as under a real kubelet's own parent.
+    The prefix keeps concurrent kubelets (tests, demos) apart; the node agent reads the path from
+    its first pod component on (pod, container), as under a real kubelet's own parent.
     """
 
     prefix: str = field(default_factory=lambda: f"kai-demo-{secrets.token_hex(6)}")

@@ -88,9 +88,8 @@ class NodeAgent:
         self._nvml: nvml.Nvml | None = None
         self.enforcer: enforce.Enforcer | None = None
         if settings.enforce:
-            self.enforcer = enforce.Enforcer(
-                self._snapshot, enforce.KnownPods(self.grant_root, self._known_pods), self._report_breach, proc_root=settings.proc_root,
-                on_breach=settings.on_breach, tolerance_bytes=settings.breach_tolerance_mib << 20, evict=self._evict)
+            pods = enforce.KnownPods(self.grant_root, self._known_pods, self._withheld)
+            self.enforcer = make_enforcer(settings, self._snapshot, pods, self._report_breach, self._evict)
             self.runtime.add_readiness_check(self._enforcer_problem)
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -112,7 +111,7 @@ class NodeAgent:
             log.warning("no Kubernetes API (no --kubeconfig, not in a cluster): no grants are written, no container is enforced",
                         extra={"node": self.node})
         else:
-            self.grants = grants.GrantKeeper(api, self.node, self.grant_root, self.runtime.publish)
+            self.grants = grants.GrantKeeper(api, self.node, self.grant_root, self.runtime.publish, on_withheld=self._post_withheld)
             self._loops.append(asyncio.create_task(self.grants.run(), name="grants"))
         if self.enforcer is not None:
             self._loops.append(asyncio.create_task(self._enforce(), name="enforcer"))
@@ -184,7 +183,8 @@ class NodeAgent:
                 asyncio.to_thread(observe.reply_to, self.layout, self.settings.proc_root, request, self.node, active),
                 self.settings.inspect_timeout_s,
             )
-            return enforce.with_driver_view(reply, self._driver_memory())
+            devices = enforce.driver_devices(self.enforcer, request.pod.uid, request.container, self._fresh_s())
+            return enforce.with_driver_view(reply, self._driver_memory(), devices)
         except asyncio.TimeoutError:
             return InspectReply(node_name=self.node, pod=request.pod, container=request.container, found=False, installed_version=active,
                                 message=f"inspection took longer than {self.settings.inspect_timeout_s}s")
@@ -233,6 +233,16 @@ class NodeAgent:
 
     def _known_pods(self) -> dict[str, dict[str, object]]:
         return {uid: tracked.pod for uid, tracked in self.grants.pods.items()} if self.grants is not None else {}
+
+    def _withheld(self, pod_uid: str, container: str) -> str | None:
+        return self.grants.withheld.get((pod_uid, container)) if self.grants is not None else None
+
+    async def _post_withheld(self, pod: PodRef, container: str, reasons: str, key: str) -> None:
+        """A withheld grant, written on the pod: the enforcer holds the container to nothing until one is written."""
+        if self.api is not None:
+            await kube_events.post_event(self.api, pod, reason="GrantWithheld", kind="Warning", key=key, component=COMPONENT,  # type: ignore[arg-type]
+                                         message=f"container {container} is granted no GPU memory, and the node agent kills what it "
+                                                 f"holds: {reasons}", container=container)
 
     def _fresh_s(self) -> float:
         return 3 * self.settings.enforce_interval_s + 1
@@ -291,8 +301,15 @@ class NodeAgent:
         return await kube_events.evict(self.api, pod)  # type: ignore[arg-type]
 
 
+def make_enforcer(settings: NodeAgentSettings, snapshot: enforce.Snapshot, pods: enforce.KnownPods, report: enforce.Report,
+                  evict: enforce.Evict | None) -> enforce.Enforcer:
+    """The enforcer as the agent runs it, from its settings (the security tests build the shipped one with this)."""
+    return enforce.Enforcer(snapshot, pods, report, proc_root=settings.proc_root, on_breach=settings.on_breach,
+                            tolerance_bytes=settings.breach_tolerance_mib << 20, evict=evict)
+
+
 def driver_usage(poll: enforce.Poll, scanned: list[observe.ContainerUsage], pods: dict[str, PodRef],
-                 tolerance_per_process: int) -> list[tuple[PodRef, observe.ContainerUsage, list[Reason]]]:
+                 tolerance: int) -> list[tuple[PodRef, observe.ContainerUsage, list[Reason]]]:
     """Each container's usage from the driver's view, with `usage-cache-disagrees` where its usage.cache
     shows more than the driver holds, or the driver holds more than the cache plus context reservations."""
     caches = {(u.pod_uid, u.container): u for u in scanned}
@@ -310,7 +327,7 @@ def driver_usage(poll: enforce.Poll, scanned: list[observe.ContainerUsage], pods
             devices.append(DeviceUsage(index=index, uuid=uuid, limit_bytes=measure.limit_bytes, used_bytes=measure.used_bytes))
             processes += [ProcessUsage(pid=p.identity.pid, device=index, used_bytes=p.used_bytes or 0) for p in measure.processes]
             cached = sum(d.used_bytes for d in (cache.devices if cache else []) if d.uuid == uuid or (not d.uuid and d.index == index))
-            if cached > measure.used_bytes or measure.used_bytes > cached + tolerance_per_process * len(measure.processes):
+            if cached > measure.used_bytes or measure.used_bytes > cached + tolerance:
                 reasons.append(Reason(code="usage-cache-disagrees", message=f"device {uuid}: usage.cache shows {cached} bytes, "
                                                                             f"the driver {measure.used_bytes}"))
         rows.append((pod, observe.ContainerUsage(key[0], key[1], devices, processes), reasons))

@@ -2,10 +2,13 @@
 (NVML, host PIDs, kubelet cgroups), whatever the container does in process; kills, evicts or warns on a breach.
 
 Each poll takes one complete snapshot of the driver's per-process device memory, attributes every host
-PID to (pod, container) by its kubelet cgroup (never by anything the process can change), sums per
-container and device, and compares with the node-written grant plus an allowance for the driver's
-per-context reservations. A container over for `polls_to_breach` consecutive complete polls is a
-breach, acted on once. A poll that is not complete (NVML failing, a figure withheld) acts on nothing.
+PID to (pod, container) by its kubelet cgroup (never by anything the process can change; a cgroup the
+tenant made below its container's is still the container's), sums per container and device, and
+compares with the node-written grant plus one allowance per container for the driver's context
+reservations. Every container of a GPU-sharing pod is held to what the node granted it: nothing,
+without allowance, for a sidecar or a target whose grant was withheld. Every complete poll that finds
+a container over acts (on_breach kill: again on each such poll, sparing what was already killed; a
+container that keeps coming back over is evicted). A poll that is not complete acts on nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import random
 import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -23,23 +27,40 @@ from typing import Any, Literal
 
 from kai_isolator.shared.cgroups import ContainerCgroup, container_id_from_status, parse_proc_cgroup
 from kai_isolator.shared.errors import ConfigError
-from kai_isolator.shared.events import Breach, BreachAction, BreachedProcess, HealthVerdict, InspectReply, PodRef, Reason
+from kai_isolator.shared.events import (
+    Breach, BreachAction, BreachedProcess, DriverDeviceUsage, HealthVerdict, InspectReply, PodRef, Reason,
+)
 from kai_isolator.shared.grant import Grant
 
 from . import grants
 from .nvml import DriverSnapshot, NvmlError
 
 log = logging.getLogger(__name__)
+_JITTER = random.SystemRandom()  # poll times the tenant cannot predict from earlier ones
 
 Obj = dict[str, Any]
 OnBreach = Literal["kill", "evict", "warn"]
 MIB = 1 << 20
 DEFAULT_TOLERANCE_MIB = 512
-"""Allowed per process and device on top of the grant: NVML's usedGpuMemory includes what the driver
-reserves for each context (context state, local memory, printf/heap buffers, loaded modules), which
-the library never sees as an allocation. A bare CUDA 12 context with lazy loading reserves a few
-hundred MiB on current data-centre cards; 512 MiB covers that with room for a framework's modules,
-and `hami-core/gpu-check.sh` prints the figure measured on the node's own card to tune it by."""
+"""Allowed per container and device on top of a grant, however many processes the container runs:
+NVML's usedGpuMemory includes what the driver reserves for each context (local memory for every
+resident thread's stack, the malloc heap and printf FIFO, context state, loaded modules), which the
+library never sees as an allocation. One bare CUDA 12 context on a Hopper card is about 300 MiB
+(132 SMs x 2048 threads x 1 KiB of stack alone is 264 MiB); 512 MiB covers one context with a
+framework's lazily loaded modules. It is the container's, not each process's, so that splitting the
+work across processes buys nothing: a container running several contexts on one device keeps the
+others' reservations inside its grant. `hami-core/gpu-check.sh` prints the figure measured on the
+node's own card to tune it by (`--breach-tolerance-mib`)."""
+DEFAULT_ESCALATE_AFTER = 3
+"""Breaches of one container within DEFAULT_ESCALATE_WINDOW_S after which killing is not enough and the
+pod is evicted: a relay of processes that each take the memory when the last one dies."""
+DEFAULT_ESCALATE_WINDOW_S = 60.0
+DEFAULT_RELEASE_GRACE_S = 5.0
+"""How long a killed process's memory may still show in the driver before it counts again: a real driver
+tears a context down in well under a second; one that does not die (stuck in the driver) is not released."""
+UNLISTED_GRACE_S = 5.0
+"""How long a container of a GPU-sharing pod may run before its id is in the pod's status (the kubelet
+reports a new container within a second or two); after that it is held to nothing."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,13 +151,14 @@ class Target:
     """A GPU-sharing container held to a grant: the pod, the container's name and runtime id, the limits."""
 
     pod: PodRef
-    container: str
+    container: str  # "" while the pod's status does not list the container's id
     container_id: str
-    limits: Mapping[str, int]  # device UUID -> bytes
+    limits: Mapping[str, int]  # device UUID -> bytes; a device not here is granted nothing
+    withheld: str = ""  # why the node granted this container nothing
 
     @property
     def key(self) -> tuple[str, str]:
-        return self.pod.uid, self.container
+        return self.pod.uid, self.container or f"id-{self.container_id}"
 
 
 def container_name(pod: Obj, container_id: str) -> str | None:
@@ -149,31 +171,45 @@ def container_name(pod: Obj, container_id: str) -> str | None:
     return None
 
 
+Withheld = Callable[[str, str], "str | None"]
+
+
 class KnownPods:
     """The GPU-sharing pods bound to this node (from the agent's pod watch) and their grant files.
 
-    A container is held to a grant only when its runtime id is in its pod's status and the node wrote
-    a grant for it: whatever is not known that way is `unattributed`, reported and never touched.
+    Every container of such a pod is held to what the node granted it, and that is nothing where no
+    grant was written (a sidecar, a target whose grant was withheld: `withheld` tells why, from the
+    grant keeper). Only processes outside every GPU-sharing pod are `unattributed`, reported and never
+    touched, and a container for the few seconds before its id reaches the pod's status.
     """
 
-    def __init__(self, grant_root: Path, pods: Callable[[], Mapping[str, Obj]]) -> None:
+    def __init__(self, grant_root: Path, pods: Callable[[], Mapping[str, Obj]], withheld: Withheld | None = None,
+                 unlisted_grace_s: float = UNLISTED_GRACE_S) -> None:
         self.grant_root = grant_root
         self.pods = pods
+        self.withheld = withheld
+        self.unlisted_grace_s = unlisted_grace_s
         self._grants: dict[tuple[str, str], tuple[int, Grant | None]] = {}
+        self._unlisted: dict[tuple[str, str], float] = {}  # (pod uid, container id) -> first seen
 
     def target(self, owner: ContainerCgroup) -> Target | str:
-        """The container a kubelet cgroup names, or why it is not one the enforcer holds to a grant."""
+        """The container a kubelet cgroup names and what it is held to, or why it is not held to anything."""
         pod = self.pods().get(owner.pod_uid)
         if pod is None:
             return "not a GPU-sharing pod known on this node"
+        meta = pod.get("metadata") or {}
+        ref = PodRef(namespace=str(meta.get("namespace") or ""), name=str(meta.get("name") or ""), uid=owner.pod_uid)
         name = container_name(pod, owner.container_id)
         if name is None:
-            return "container id not in the pod's status"
+            first = self._unlisted.setdefault((owner.pod_uid, owner.container_id), time.monotonic())
+            if time.monotonic() - first < self.unlisted_grace_s:
+                return "container id not in the pod's status (yet)"
+            return Target(ref, "", owner.container_id, {}, withheld=f"no grant: container {owner.container_id[:12]} is not in the "
+                                                                   f"pod's status after {self.unlisted_grace_s:g}s")
         grant = self._grant(owner.pod_uid, name)
         if grant is None:
-            return f"no grant written for container {name}"
-        meta = pod.get("metadata") or {}
-        ref = PodRef(namespace=str(meta.get("namespace") or grant.namespace), name=str(meta.get("name") or grant.pod), uid=owner.pod_uid)
+            why = self.withheld(owner.pod_uid, name) if self.withheld is not None else None
+            return Target(ref, name, owner.container_id, {}, withheld=f"no grant was written for container {name}" + (f" ({why})" if why else ""))
         return Target(ref, name, owner.container_id, {d.uuid: d.limit_bytes for d in grant.devices})
 
     def _grant(self, uid: str, container: str) -> Grant | None:
@@ -192,6 +228,9 @@ class KnownPods:
     def forget_except(self, live: set[tuple[str, str]]) -> None:
         for key in [k for k in self._grants if k not in live]:
             del self._grants[key]
+        pods = self.pods()
+        for key in [k for k in self._unlisted if k[0] not in pods]:
+            del self._unlisted[key]
 
 
 # --- one poll ------------------------------------------------------------------------------------
@@ -251,12 +290,14 @@ class Poll:
 
 @dataclass
 class _Episode:
-    """A container's time over its grant on one device: counted until it is a breach, acted on once."""
+    """A container's time over its grant on one device: counted until it is a breach; warn and evict act
+    on it once, kill on every poll it lasts."""
 
     over: int = 0
     breach: Breach | None = None
 
 
+Snapshot = Callable[[], DriverSnapshot]
 Report = Callable[[Target, Breach], Awaitable[None]]
 Evict = Callable[[PodRef], Awaitable[bool]]
 
@@ -266,8 +307,9 @@ class Enforcer:
     complete DriverSnapshot or raises NvmlError; `report` publishes the verdict, Event and metric."""
 
     def __init__(self, snapshot: Callable[[], DriverSnapshot], pods: KnownPods, report: Report, *, proc_root: Path = Path("/proc"),
-                 on_breach: OnBreach = "kill", tolerance_bytes: int = DEFAULT_TOLERANCE_MIB * MIB, polls_to_breach: int = 2,
-                 evict: Evict | None = None) -> None:
+                 on_breach: OnBreach = "kill", tolerance_bytes: int = DEFAULT_TOLERANCE_MIB * MIB, polls_to_breach: int = 1,
+                 evict: Evict | None = None, escalate_after: int = DEFAULT_ESCALATE_AFTER,
+                 escalate_window_s: float = DEFAULT_ESCALATE_WINDOW_S, release_grace_s: float = DEFAULT_RELEASE_GRACE_S) -> None:
         self.snapshot = snapshot
         self.pods = pods
         self.report = report
@@ -276,8 +318,14 @@ class Enforcer:
         self.tolerance_bytes = tolerance_bytes
         self.polls_to_breach = polls_to_breach
         self.evict = evict
+        self.escalate_after = escalate_after
+        self.escalate_window_s = escalate_window_s
+        self.release_grace_s = release_grace_s
         self.episodes: dict[tuple[str, str, str], _Episode] = {}
         self.killed: dict[Identity, float] = {}  # signalled; their memory is being torn down by the driver
+        self.strikes: dict[tuple[str, str], list[float]] = {}  # container -> when it was acted on, within the window
+        self.evicted: dict[str, float] = {}  # pod uid -> when its eviction was asked for
+        self.acted = False  # the last poll acted: the next one comes sooner, for a relay or a kill not yet released
         self.last: Poll | None = None
         self._lock = asyncio.Lock()
 
@@ -317,7 +365,8 @@ class Enforcer:
                 continue  # exited since the snapshot: its memory is going with it
             identity, owner = found
             seen.add(identity)
-            if identity in self.killed:
+            signalled = self.killed.get(identity)
+            if signalled is not None and result.at - signalled < self.release_grace_s:
                 continue  # already signalled: what the driver still shows is being released
             if owner is None:
                 result.unattributed.append(Unattributed(entry.pid, entry.device_uuid, entry.used_bytes, "not in a kubelet container cgroup"))
@@ -337,12 +386,17 @@ class Enforcer:
         self.pods.forget_except({m.target.key for m in result.measures})
         return result
 
-    def threshold(self, measure: Measure, processes: int | None = None) -> int:
-        count = len(measure.processes) if processes is None else processes
-        return measure.limit_bytes + self.tolerance_bytes * count
+    def allowance(self, measure: Measure) -> int:
+        """The container's allowance for context reservations on the device: one, whatever its process
+        count, and none where it was granted nothing (it has no business with a context there)."""
+        return self.tolerance_bytes if measure.limit_bytes > 0 else 0
+
+    def threshold(self, measure: Measure) -> int:
+        return measure.limit_bytes + self.allowance(measure)
 
     async def _judge(self, result: Poll) -> None:
         live = set()
+        self.acted = False
         for measure in result.measures:
             key = (*measure.target.key, measure.device_uuid)
             live.add(key)
@@ -354,54 +408,75 @@ class Enforcer:
                 self.episodes[key] = _Episode()  # under again: the episode (and its breach) is over
                 continue
             episode.over += 1
-            if episode.over < self.polls_to_breach or episode.breach is not None:
+            if episode.over < self.polls_to_breach or (episode.breach is not None and self.on_breach != "kill"):
                 continue
-            episode.breach = await self._act(measure)
+            episode.breach = await self._act(measure, result.at)
+            self.acted = True
             result.breaches.append((measure.target, episode.breach))
             try:
                 await self.report(measure.target, episode.breach)
-            except Exception:  # noqa: BLE001 - a report that failed must not make us act again
+            except Exception:  # noqa: BLE001 - a report that failed must not stop the next action
                 log.exception("could not report a breach", extra={"pod": f"{measure.target.pod.namespace}/{measure.target.pod.name}"})
         for key in [k for k in self.episodes if k not in live]:
             del self.episodes[key]  # nothing of that container on that device any more
+        for container, times in list(self.strikes.items()):
+            if not (kept := [t for t in times if result.at - t < self.escalate_window_s]):
+                del self.strikes[container]
+            else:
+                self.strikes[container] = kept
+        for uid in [u for u, at in self.evicted.items() if result.at - at >= self.escalate_window_s]:
+            del self.evicted[uid]
 
-    async def _act(self, measure: Measure) -> Breach:
+    async def _act(self, measure: Measure, now: float) -> Breach:
         target = measure.target
         ordered = sorted(measure.processes, key=lambda p: (-(p.used_bytes or 0), p.identity.pid))
-        breach_id = hashlib.sha256(repr((target.pod.uid, target.container, measure.device_uuid,
+        breach_id = hashlib.sha256(repr((target.pod.uid, target.container, target.container_id, measure.device_uuid,
                                          sorted((p.identity.pid, p.identity.start_time) for p in ordered))).encode()).hexdigest()[:16]
         killed: set[int] = set()
         action: BreachAction = {"kill": "killed", "evict": "evicted", "warn": "warned"}[self.on_breach]  # type: ignore[assignment]
         ok = True
         if self.on_breach == "kill":
-            remaining, left = measure.used_bytes, len(ordered)
+            remaining = measure.used_bytes
             for process in ordered:
-                if remaining <= self.threshold(measure, left):
+                if remaining <= self.threshold(measure):
                     break
                 outcome = await asyncio.to_thread(kill_verified, self.proc_root, process.identity, process.owner)
                 log.warning("breach: %s pid %d", outcome, process.identity.pid, extra={
                     "pod": f"{target.pod.namespace}/{target.pod.name}", "container": target.container, "device": measure.device_uuid})
                 if outcome in ("killed", "gone"):
-                    self.killed[process.identity] = time.monotonic()
+                    self.killed[process.identity] = now
                     remaining -= process.used_bytes or 0
-                    left -= 1
                 if outcome == "killed":
                     killed.add(process.identity.pid)
-            ok = remaining <= self.threshold(measure, left)
+            ok = remaining <= self.threshold(measure)
+            # Killing that does not keep the container under (a relay, bursts, memory never released):
+            # the pod goes, once per window.
+            strikes = self.strikes.setdefault(target.key, [])
+            strikes.append(now)
+            if len(strikes) >= self.escalate_after and target.pod.uid not in self.evicted:
+                self.evicted[target.pod.uid] = now
+                action = "evicted"
+                ok = self.evict is not None and await self.evict(target.pod)
         elif self.on_breach == "evict":
             ok = self.evict is not None and await self.evict(target.pod)
         return Breach(
             breach_id=breach_id, device_uuid=measure.device_uuid, grant_bytes=measure.limit_bytes,
-            tolerance_bytes=self.tolerance_bytes * len(ordered), measured_bytes=measure.used_bytes,
+            tolerance_bytes=self.allowance(measure), measured_bytes=measure.used_bytes,
             processes=[BreachedProcess(pid=p.identity.pid, used_bytes=p.used_bytes or 0, killed=p.identity.pid in killed) for p in ordered],
             action=action, action_ok=ok,
         )
 
     def next_poll_in(self, interval_s: float, took_s: float) -> float:
-        """Seconds to the next round: a container over its grant once is checked again after a quarter
-        interval (the confirming poll), so a breach is acted on within about 1.25 intervals, not 2."""
-        pending = any(e.over and e.breach is None for e in self.episodes.values())
-        return max(0.0, (interval_s / 4 if pending else interval_s) - took_s)
+        """Seconds to the next round: after a poll that acted (or one over that waits for confirmation)
+        the next comes after a quarter interval, for a relay taking the memory or a kill not yet released.
+
+        Each gap is drawn at random between half and one and a half of that (the same mean): with a
+        fixed period, bursts whose period divides it sample the same phase on every poll, and a
+        tenant whose bursts sit between polls is never seen; at random times each poll sees a burst
+        held a fraction d of the time with probability d, whatever its period."""
+        pending = self.acted or any(e.over and e.breach is None for e in self.episodes.values())
+        base = interval_s / 4 if pending else interval_s
+        return max(0.0, base * _JITTER.uniform(0.5, 1.5) - took_s)
 
     async def run(self, interval_s: float) -> None:
         """Poll every `interval_s` until cancelled; a failed round is logged and the next one retries."""
@@ -420,20 +495,25 @@ class Enforcer:
 def verdict(node: str, target: Target, breach: Breach) -> HealthVerdict:
     """The `breached` verdict: which device, the grant, what the driver measured, the processes, the action."""
     pids = ",".join(f"{p.pid}({p.used_bytes >> 20} MiB)" for p in breach.processes)
-    killed = ",".join(str(p.pid) for p in breach.processes if p.killed) or "none"
-    done = {"killed": f"killed pids {killed}", "evicted": "evicted the pod", "warned": "warned only (--on-breach warn)"}[breach.action]
+    killed = ",".join(str(p.pid) for p in breach.processes if p.killed)
+    done = {"killed": f"killed pids {killed or 'none'}", "evicted": "evicted the pod", "warned": "warned only (--on-breach warn)"}[breach.action]
+    if breach.action == "evicted" and killed:
+        done = f"killed pids {killed}; killing does not keep the container under its grant: evicted the pod"
+    granted = f"grant {breach.grant_bytes} bytes (+{breach.tolerance_bytes} for driver context reservations)"
+    if target.withheld:
+        granted = f"held to 0 bytes: {target.withheld}"
     reasons = [
         Reason(code="over-grant", message=f"device {breach.device_uuid}: the driver shows {breach.measured_bytes} bytes held by pids {pids}, "
-                                          f"grant {breach.grant_bytes} bytes (+{breach.tolerance_bytes} for driver context reservations)"),
+                                          f"{granted}"),
         Reason(code=breach.action, message=done if breach.action_ok else f"{done}: not carried out in full"),
     ]
-    return HealthVerdict(pod=target.pod, node_name=node, container=target.container, verdict="breached", reasons=reasons,
-                         observation=f"breach-{breach.breach_id}", breach=breach)
+    return HealthVerdict(pod=target.pod, node_name=node, container=target.container or f"id:{target.container_id[:12]}",
+                         verdict="breached", reasons=reasons, observation=f"breach-{breach.breach_id}", breach=breach)
 
 
 def event_message(target: Target, breach: Breach) -> str:
     report = verdict("", target, breach)
-    return f"container {target.container}: breached (" + "; ".join(f"{r.code}: {r.message}" for r in report.reasons) + ")"
+    return f"container {report.container}: breached (" + "; ".join(f"{r.code}: {r.message}" for r in report.reasons) + ")"
 
 
 def driver_memory(poll: Poll | None, fresh_s: float) -> dict[int, int] | None:
@@ -443,10 +523,21 @@ def driver_memory(poll: Poll | None, fresh_s: float) -> dict[int, int] | None:
     return poll.by_pid
 
 
-def with_driver_view(reply: InspectReply, memory: dict[int, int] | None) -> InspectReply:
-    """An InspectReply with each process's device memory from the driver (0 for a process it does not list)."""
+def driver_devices(enforcer: Enforcer | None, pod_uid: str, container: str, fresh_s: float) -> list[DriverDeviceUsage] | None:
+    """The container's total on each device in the enforcer's latest complete poll (if recent enough),
+    with what it is held to: the grant (0 where none) and the container's allowance."""
+    poll = enforcer.last if enforcer is not None else None
+    if enforcer is None or poll is None or driver_memory(poll, fresh_s) is None:
+        return None
+    return [DriverDeviceUsage(uuid=m.device_uuid, used_bytes=m.used_bytes, grant_bytes=m.limit_bytes, allowance_bytes=enforcer.allowance(m))
+            for m in poll.measures if m.target.key == (pod_uid, container) and m.complete]
+
+
+def with_driver_view(reply: InspectReply, memory: dict[int, int] | None, devices: list[DriverDeviceUsage] | None = None) -> InspectReply:
+    """An InspectReply with each process's device memory from the driver (0 for a process it does not list)
+    and the container's total on each device against its grant."""
     if memory is None:
         return reply
     processes = [p.model_copy(update={"device_memory_bytes": memory.get(p.pid, 0)}) for p in reply.processes]
-    return reply.model_copy(update={"processes": processes, "driver_view": True})
+    return reply.model_copy(update={"processes": processes, "driver_view": True, "driver_devices": devices or []})
 

@@ -3,13 +3,15 @@ root-owned and read-only where the webhook mounts them, for every GPU-sharing po
 
 The tenant can edit the ConfigMap in its namespace, so the grant takes the smaller of the two values and
 says why; a grant once written is never raised. Missing or invalid inputs mean no grant (libvgpu.so then
-fails closed) and a published reason.
+fails closed, and the enforcer holds the container to nothing) and a published reason, also written on
+the pod as a `GrantWithheld` Event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -316,6 +318,8 @@ async def api_client(kubeconfig: Path | None) -> client.ApiClient | None:
 
 
 Publish = Callable[[GrantDecision], Awaitable[None]]
+OnWithheld = Callable[[PodRef, str, str, str], Awaitable[None]]
+"""(pod, container, the reasons in one line, a key naming this decision): told once per distinct withheld decision."""
 
 
 @dataclass
@@ -331,11 +335,14 @@ class GrantKeeper:
     pod is bound and its ConfigMap exists, retried while an input is missing, removed when the pod is deleted."""
 
     def __init__(self, api: client.ApiClient, node: str, root: Path, publish: Publish, *, retry_s: float = 2.0,
-                 watch_timeout_s: int = 300, read_timeout_s: float = 90.0, backoff_max_s: float = 10.0, stale_grace_s: float = 60.0) -> None:
+                 watch_timeout_s: int = 300, read_timeout_s: float = 90.0, backoff_max_s: float = 10.0, stale_grace_s: float = 60.0,
+                 on_withheld: OnWithheld | None = None) -> None:
         self.core = client.CoreV1Api(api)
         self.node = node
         self.root = root
         self.publish = publish
+        self.on_withheld = on_withheld
+        self.withheld: dict[tuple[str, str], str] = {}  # (pod uid, container) -> why it has no grant (the enforcer says it)
         self.retry_s = retry_s
         self.watch_timeout_s = watch_timeout_s
         self.read_timeout_s = read_timeout_s
@@ -508,6 +515,8 @@ class GrantKeeper:
         async with self._lock:
             tracked = self.pods.pop(uid, None)
             self.waiting.discard(uid)
+            for key in [k for k in self.withheld if k[0] == uid]:
+                del self.withheld[key]
             removed = await asyncio.to_thread(remove_grants, self.root, uid)
         for container in removed:
             log.info("grant removed", extra={"node": self.node, "pod_uid": uid, "container": container})
@@ -564,6 +573,10 @@ class GrantKeeper:
     async def _tell(self, tracked: _Tracked, event: GrantDecision) -> None:
         """Log and publish each distinct decision once per pod (watch events repeat the same facts)."""
         key = event.dedup_id()
+        if event.outcome == "withheld":
+            self.withheld[(event.pod.uid, event.container)] = "; ".join(f"{r.code}: {r.message}" for r in event.reasons) or "withheld"
+        elif event.outcome in ("written", "kept"):
+            self.withheld.pop((event.pod.uid, event.container), None)
         if key in tracked.published:
             return
         tracked.published.add(key)
@@ -575,6 +588,12 @@ class GrantKeeper:
             await self.publish(event)
         except Exception as error:  # noqa: BLE001 - the bus being away must never stop grants being written
             log.warning("could not publish a grant decision", extra={"node": self.node, "error": repr(error)})
+        if event.outcome == "withheld" and self.on_withheld is not None:
+            try:
+                await self.on_withheld(event.pod, event.container, self.withheld[(event.pod.uid, event.container)],
+                                       "grant-withheld-" + hashlib.sha256(key.encode()).hexdigest()[:16])
+            except Exception as error:  # noqa: BLE001 - the API being away must never stop grants being written
+                log.warning("could not post the GrantWithheld Event", extra={"node": self.node, "error": repr(error)})
 
 
 def _read_quietly(root: Path, uid: str, container: str) -> Grant | None:

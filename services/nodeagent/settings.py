@@ -39,8 +39,10 @@ class NodeAgentSettings(_Settings):
     enforce_interval_s: float = Field(1.0, gt=0, le=60, description="how often the enforcer reads every process's device memory from NVML")
     on_breach: Literal["kill", "evict", "warn"] = Field("kill", description="kill the container's biggest processes until it is under "
                                                                             "its grant, evict the pod, or only report")
-    breach_tolerance_mib: int = Field(DEFAULT_TOLERANCE_MIB, ge=0, description="allowed per process and device over the grant, for what "
-                                                                              "the driver reserves per context (NVML counts it, the library does not)")
+    breach_tolerance_mib: int = Field(DEFAULT_TOLERANCE_MIB, ge=0, description="allowed per container and device over the grant, however "
+                                                                              "many processes it runs, for what the driver reserves for "
+                                                                              "contexts (NVML counts it, the library does not); none where "
+                                                                              "nothing is granted")
     nvml_library: str = Field(DEFAULT_LIBRARY, min_length=1, description="the NVML library the enforcer loads (soname or path)")
 
     @field_validator("grant_dir")

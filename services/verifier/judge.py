@@ -47,9 +47,27 @@ def judge(pod: PodIsolation, reply: InspectReply, library_path: str) -> Judgemen
     expected = _limit_bytes(pod.expected_limit)
     reasons = [*_preload_reasons(reply, library_path), *_limit_reasons(reply, pod.expected_limit or "", expected), *_usage_reasons(reply, expected)]
     missing = [r for r in reasons if r.code in MISSING_CODES] + _holding_without_library(reply)
+    over = _driver_over_grant(reply, expected)
+    if over:
+        return Judgement("breached", tuple(over + missing))  # whatever the library says: the driver is the judge
     if missing:
         return Judgement("missing", tuple(missing))
     return Judgement("degraded" if reasons else "verified", tuple(reasons))
+
+
+def _driver_over_grant(reply: InspectReply, expected: int | None) -> list[Reason]:
+    """From the driver's view: the container's total on a device past what it is held to (the node's grant,
+    or the scheduler's limit where that is smaller, plus the container's allowance for contexts)."""
+    if not reply.driver_view:
+        return []
+    found = []
+    for device in reply.driver_devices:
+        limit = device.grant_bytes if expected is None or device.grant_bytes == 0 else min(device.grant_bytes, expected)
+        if device.used_bytes > limit + device.allowance_bytes:
+            found.append(Reason(code="driver-over-grant", message=f"device {device.uuid}: the driver shows the container holding "
+                                                                  f"{device.used_bytes} bytes, held to {limit} (+{device.allowance_bytes} "
+                                                                  "for driver context reservations)"))
+    return found
 
 
 def _holding_without_library(reply: InspectReply) -> list[Reason]:

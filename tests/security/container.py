@@ -91,7 +91,7 @@ def kai_bind(pod: Obj, limit: str, container: str = "main") -> tuple[Obj, dict[s
     """What KAI adds at binding: the limit env from a ConfigMap its binder writes, and the node."""
     bound = json.loads(json.dumps(pod))
     configmap = f"{pod['metadata']['name']}-shared-gpu-0"
-    for spec in bound["spec"]["containers"]:
+    for spec in [*bound["spec"].get("initContainers", []), *bound["spec"]["containers"]]:
         if spec["name"] == container:
             spec.setdefault("env", []).append({"name": LIMIT_ENV, "valueFrom": {"configMapKeyRef": {
                 "name": configmap, "key": LIMIT_ENV, "optional": True}}})
@@ -134,6 +134,7 @@ class Container:
     limit: str
     process: ContainerProcess
     node: SimNode
+    configmaps: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
     def pod_ref(self) -> PodRef:
@@ -211,6 +212,8 @@ class Container:
 
 # (attack, outcome, verdict codes) of every attack run this session, printed after the tests.
 OUTCOMES: list[tuple[str, str, str]] = []
+# (attack class, the ledger's peak, the time to act, the verdict) of each run at the shipped defaults.
+SHIPPED: list[tuple[str, str, str, str]] = []
 
 
 def blocked_or_detected(container: Container, grant_bytes: int, *codes: str) -> str:
@@ -286,15 +289,25 @@ class SimNode:
         admitted = admit(pod) if grant else without_grant(admit(pod))
         bound, configmaps = kai_bind(admitted, limit, container)
         bound["status"] = {"phase": "Running"}
-        spec = next(c for c in bound["spec"]["containers"] if c["name"] == container)
         if grant and grant_written:
             self.write_grant(bound, container, limit)
+        return await self._run(bound, container, limit, argv, configmaps)
+
+    async def start_also(self, first: Container, container: str, argv: list[str] | None = None) -> Container:
+        """Start another container of `first`'s pod (a sidecar): the node wrote no grant for it."""
+        return await self._run(first.pod, container, first.limit, argv, first.configmaps)
+
+    async def _run(self, bound: Obj, container: str, limit: str, argv: list[str] | None,
+                   configmaps: dict[str, dict[str, str]]) -> Container:
+        specs = [("initContainerStatuses", c) for c in bound["spec"].get("initContainers", [])]
+        specs += [("containerStatuses", c) for c in bound["spec"]["containers"]]
+        statuses, spec = next((key, c) for key, c in specs if c["name"] == container)
         process = await start_container(
             bound, spec, argv or ["sleep", "infinity"], configmaps=configmaps, host_root=self.root,
             scratch=self.scratch / f"{bound['metadata']['name']}-{container}", extra_env=self.driver_env, placement=self.placement,
         )
-        bound["status"]["containerStatuses"] = [{"name": container, "containerID": f"containerd://{process.container_id}"}]
-        started = Container(bound, container, limit, process, self)
+        bound["status"].setdefault(statuses, []).append({"name": container, "containerID": f"containerd://{process.container_id}"})
+        started = Container(bound, container, limit, process, self, configmaps)
         self.containers.append(started)
         return started
 

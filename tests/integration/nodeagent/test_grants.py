@@ -308,3 +308,20 @@ async def test_kubeconfigs_that_are_not_kubeconfigs_are_a_clear_error(tmp_path: 
     (tmp_path / "kubeconfig").write_text(content)
     with pytest.raises(ConfigError, match="cannot load a Kubernetes client configuration"):
         await api_client(tmp_path / "kubeconfig")
+
+
+async def test_a_withheld_grant_is_written_on_the_pod_as_an_event_and_named_by_the_enforcer(dev_cluster: DevCluster, start_agent: Any) -> None:
+    """Issue 26: the enforcer holds a target without a grant to nothing; the pod says why, in a GrantWithheld Event."""
+    agent = await start_agent(NODE, kubeconfig=dev_cluster.kubeconfig)
+    await dev_cluster.create("configmaps", {"metadata": {"name": "held-cm-0"},
+                                            "data": {"CUDA_DEVICE_MEMORY_LIMIT": "4147m", "NVIDIA_VISIBLE_DEVICES": "all"}}, "default")
+    pod = await dev_cluster.create("pods", gpu_pod("held", node=NODE, configmap="held-cm"), "default")
+    uid = pod["metadata"]["uid"]
+    deadline = time.monotonic() + 10
+    while not (events := [e for e in await dev_cluster.list("events", "default") if e.get("reason") == "GrantWithheld"]):
+        assert time.monotonic() < deadline, "no GrantWithheld Event"
+        await asyncio.sleep(0.05)
+    [event] = events
+    assert event["type"] == "Warning" and event["involvedObject"]["uid"] == uid and event["involvedObject"]["name"] == "held"
+    assert "devices-invalid" in event["message"] and "'all'" in event["message"] and "kills what it holds" in event["message"]
+    assert "devices-invalid" in (agent._withheld(uid, "main") or "")

@@ -85,15 +85,18 @@ def test_init_containers_are_not_injected_by_default(kit: SimpleNamespace, mutat
     assert len(kit.ops_for(ops, "/spec/containers/0/volumeMounts")[0]["value"]) == 4
 
 
-def test_annotation_naming_an_init_container_gets_library_and_preload_only(kit: SimpleNamespace, mutate) -> None:
+def test_an_init_container_target_gets_what_a_main_container_target_gets(kit: SimpleNamespace, mutate) -> None:
+    """Issue 26 changed this: an init-container target with only the library and preload took its limit
+    from the environment the tenant controls. It now gets the grant, state dir and env too."""
     pod = kit.make_pod({**FRACTION, "gpu-fraction-container-name": "gpu-init"}, ["main"], inits=["gpu-init"])
     ops = mutate(pod)
-    assert kit.ops_for(ops, "/spec/volumes")[0]["value"] == [VGPU_VOL]
-    assert kit.ops_for(ops, "/spec/initContainers/0/volumeMounts")[0]["value"] == [LIB_MOUNT, PRELOAD_MOUNT]
-    assert not kit.ops_for(ops, "/spec/initContainers/0/env")
+    main = mutate(kit.make_pod({**FRACTION, "gpu-fraction-container-name": "gpu-init"}, ["gpu-init"]))
+    assert kit.ops_for(ops, "/spec/volumes")[0]["value"] == kit.ops_for(main, "/spec/volumes")[0]["value"]
+    assert kit.ops_for(ops, "/spec/initContainers/0/volumeMounts")[0]["value"] == kit.ops_for(main, "/spec/containers/0/volumeMounts")[0]["value"]
+    assert kit.ops_for(ops, "/spec/initContainers/0/env")[0]["value"] == kit.ops_for(main, "/spec/containers/0/env")[0]["value"]
     assert not [op for op in ops if op["path"].startswith("/spec/containers")]
     text = orjson.dumps(ops).decode()
-    assert STATE_VOLUME not in text and GRANT_VOLUME not in text and "POD_UID" not in text
+    assert STATE_VOLUME in text and GRANT_VOLUME in text and "POD_UID" in text
 
 
 def test_init_containers_are_searched_before_containers(kit: SimpleNamespace) -> None:

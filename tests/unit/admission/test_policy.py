@@ -34,7 +34,22 @@ def escape_pods(kit: SimpleNamespace) -> dict[str, tuple[dict[str, Any], str]]:
     unconfined_container["spec"]["containers"][0]["securityContext"] = {"seccompProfile": {"type": "Unconfined"}}
     sidecar_grant = kit.make_pod(FRACTION, ["main", "sidecar"])
     sidecar_grant["spec"]["containers"][1]["volumeMounts"] = [{"name": GRANT_VOLUME, "mountPath": "/grants", "readOnly": True}]
+    sidecar_gpu = kit.make_pod(FRACTION, ["main", "sidecar"])
+    sidecar_gpu["spec"]["containers"][1]["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
+    init_gpu = kit.make_pod(FRACTION, ["main"], inits=["setup"])
+    init_gpu["spec"]["initContainers"][0]["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "valueFrom": {"configMapKeyRef": {"name": "x", "key": "y"}}}]
+    sidecar_env_from = kit.make_pod(FRACTION, ["main", "sidecar"])
+    sidecar_env_from["spec"]["containers"][1]["envFrom"] = [{"configMapRef": {"name": "evil"}}]
+    sidecar_privileged = kit.make_pod(FRACTION, ["main", "sidecar"])
+    sidecar_privileged["spec"]["containers"][1]["securityContext"] = {"privileged": True}
+    sidecar_ptrace = kit.make_pod(FRACTION, ["main", "sidecar"])
+    sidecar_ptrace["spec"]["containers"][1]["securityContext"] = {"capabilities": {"add": ["SYS_PTRACE"]}}
     return {
+        "sidecar asks for the GPU": (sidecar_gpu, "container sidecar sets NVIDIA_VISIBLE_DEVICES: only the GPU-share target (main)"),
+        "init container asks for the GPU": (init_gpu, "container setup sets NVIDIA_VISIBLE_DEVICES"),
+        "sidecar env from a configmap": (sidecar_env_from, "container sidecar takes env from envFrom"),
+        "privileged sidecar": (sidecar_privileged, "container sidecar is privileged and would see every GPU"),
+        "sidecar ptrace": (sidecar_ptrace, "container sidecar adds capability SYS_PTRACE"),
         "own preload": (own_preload, "mounts its own /etc/ld.so.preload"),
         "dotted preload": (with_target(kit, volumeMounts=[{"name": "x", "mountPath": "/etc/./ld.so.preload"}]), "its own /etc/ld.so.preload"),
         "over library": (with_target(kit, volumeMounts=[{"name": "x", "mountPath": "/usr/local/vgpu/libvgpu.so"}]), "over the library directory"),
@@ -59,7 +74,8 @@ def escape_pods(kit: SimpleNamespace) -> dict[str, tuple[dict[str, Any], str]]:
     }
 
 
-CASES = ["own preload", "dotted preload", "over library", "disable control", "ld preload", "hand-set cache",
+CASES = ["sidecar asks for the GPU", "init container asks for the GPU", "sidecar env from a configmap", "privileged sidecar",
+         "sidecar ptrace", "own preload", "dotted preload", "over library", "disable control", "ld preload", "hand-set cache",
          "forged pod uid", "privileged", "env from a configmap", "sys admin", "sidecar writes library", "pod-defined volume", "hostPath into the node dir",
          "hostPath into the grants", "per-device limit", "visible devices", "over the grant", "sidecar reads a grant", "no seccomp",
          "unconfined pod", "unconfined container"]
@@ -101,6 +117,13 @@ def test_clean_gpu_pod_has_no_findings_in_enforce(kit: SimpleNamespace) -> None:
 def test_escape_env_in_a_sidecar_is_not_a_finding(kit: SimpleNamespace) -> None:
     pod = kit.make_pod(FRACTION, ["main", "sidecar"])
     pod["spec"]["containers"][1]["env"] = [{"name": "LD_PRELOAD", "value": "/x.so"}]
+    assert kit.response_of(Webhook(InjectionConfig(), "enforce").handle(kit.review_of(pod)))["allowed"] is True
+
+
+@pytest.mark.parametrize("value", ["void", "none", "", "NONE"])
+def test_a_sidecar_that_asks_for_no_gpu_is_no_finding(kit: SimpleNamespace, value: str) -> None:
+    pod = kit.make_pod(FRACTION, ["main", "sidecar"])
+    pod["spec"]["containers"][1]["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": value}]
     assert kit.response_of(Webhook(InjectionConfig(), "enforce").handle(kit.review_of(pod)))["allowed"] is True
 
 

@@ -38,6 +38,14 @@ def test_non_container_cgroups_are_none(text):
     assert parse_proc_cgroup(text) is None
 
 
+@pytest.mark.parametrize("below", ["nested", "a/b/c", f"pod{'0' * 8}-0000-0000-0000-{'0' * 12}/{'cd' * 32}"])
+def test_a_cgroup_below_a_container_is_that_container(below):
+    """What the tenant makes inside its own cgroup, even named like another pod's container, is still its own."""
+    for driver in CgroupDriver:
+        path = "/" + kubelet_cgroup_path(UID, CID, driver=driver) + "/" + below
+        assert parse_cgroup_path(path).container_id == CID and parse_cgroup_path(path).pod_uid == UID
+
+
 def test_container_id_from_status():
     assert container_id_from_status(f"containerd://{CID}") == CID
     assert container_id_from_status(f"cri-o://{CID}") == CID

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from kai_isolator.services.verifier.judge import judge, judge_unobservable, judge_without_inspection
-from kai_isolator.shared.events import DeviceUsage, InspectReply, PodIsolation, PodRef, ProcessReport
+from kai_isolator.shared.events import DeviceUsage, DriverDeviceUsage, InspectReply, PodIsolation, PodRef, ProcessReport
 
 LIB = "/usr/local/vgpu/libvgpu.so"
 POD = PodRef(namespace="team-a", name="train", uid="u-1")
 GIB = 1 << 30
+MIB = 1 << 20
 GRANTED = 4147 << 20
 
 
@@ -156,3 +157,26 @@ def test_without_the_drivers_view_a_process_without_the_library_stays_degraded()
     observed = reply(process(10), process(11, library_mapped=False, device_memory_bytes=None))
     result = judge(running(), observed, LIB)
     assert result.verdict == "degraded" and "process-without-library" in codes(result)
+
+
+def driver(used: int, grant: int = GIB, allowance: int = 512 * MIB) -> DriverDeviceUsage:
+    return DriverDeviceUsage(uuid="GPU-0", used_bytes=used, grant_bytes=grant, allowance_bytes=allowance)
+
+
+def test_verified_means_the_driver_agrees_past_the_grant_is_breached_whatever_the_library_says() -> None:
+    # Every process maps the library and its cache shows nothing wrong; the driver shows 2 GiB under a 1 GiB grant.
+    over = reply(process(10, device_memory_bytes=GIB), process(11, device_memory_bytes=GIB)).model_copy(
+        update={"driver_view": True, "driver_devices": [driver(2 * GIB)]})
+    result = judge(running(), over, LIB)
+    assert result.verdict == "breached" and codes(result) == ["driver-over-grant"]
+    assert "2147483648 bytes, held to 1073741824 (+536870912" in result.reasons[0].message
+    within = over.model_copy(update={"driver_devices": [driver(GIB + 512 * MIB)]})
+    assert judge(running(), within, LIB).verdict == "verified"
+
+
+def test_a_container_granted_nothing_is_breached_by_any_byte_and_the_smaller_limit_holds() -> None:
+    sidecar = reply(process(10, device_memory_bytes=MIB)).model_copy(update={"driver_view": True, "driver_devices": [driver(MIB, 0, 0)]})
+    assert judge(running(), sidecar, LIB).verdict == "breached"
+    # The node's grant is larger than the scheduler's limit (512 MiB): the smaller one is what the container may hold.
+    larger = reply(process(10, device_memory_bytes=GIB)).model_copy(update={"driver_view": True, "driver_devices": [driver(GIB + MIB, 2 * GIB, 0)]})
+    assert judge(running(expected_limit="512m"), larger, LIB).verdict == "breached"
