@@ -73,8 +73,11 @@ def _docker(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
 def engine_answers(env: dict[str, str] | None = None) -> bool:
     if shutil.which("docker") is None:
         return False
-    done = subprocess.run(["docker", "version", "--format", "{{.Server.Version}}"], env=env or docker_env(),
-                          capture_output=True, text=True, timeout=30)
+    try:
+        done = subprocess.run(["docker", "version", "--format", "{{.Server.Version}}"], env=env or docker_env(),
+                              capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return False
     return done.returncode == 0
 
 
