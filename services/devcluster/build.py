@@ -169,6 +169,8 @@ def _build(component: Component, target: Path, log: TextIO) -> None:
         if not (scratch / program).is_file():
             shutil.rmtree(scratch, ignore_errors=True)
             raise BuildError(f"go build of {component.name} left no {program} in {scratch}")
+    # mkdtemp made it 0700: an image that copies the cache (Dockerfile.devcluster) runs it as a non-root user.
+    scratch.chmod(0o755)
     os.replace(scratch, target)  # atomic: a reader sees the whole entry or none
     print(f"built {component.name} {component.version} ({', '.join(component.programs())}) in "
           f"{time.monotonic() - started:.0f}s -> {target}", file=log, flush=True)

@@ -231,6 +231,7 @@ def ensure_kube_builder(log: TextIO = sys.stderr) -> str:
         context = Path(scratch)
         for found in entries:
             shutil.copytree(found, context / "kube" / found.name)
+            (context / "kube" / found.name).chmod(0o755)  # entries built before build.py made them world-readable
         (context / "Dockerfile").write_text(f"FROM {GOLANG.tag}\nCOPY kube /opt/kube\n")
         _docker("build", "--network", "none", "-q", "-t", tag, str(context), timeout=BUILD_TIMEOUT_S)
     print(f"builder image {tag}: made in {time.monotonic() - started:.0f}s", file=log, flush=True)
@@ -256,9 +257,13 @@ def build_ca() -> Iterator[None]:
 class ProjectImage:
     tag: str  # as docker-compose.yml names it
     dockerfile: str
+    target: str = ""  # a build stage; the last one when empty
 
     def build_args(self, kube_builder: str) -> list[str]:
-        return ["--build-arg", f"GO_IMAGE={kube_builder}"] if self.dockerfile.endswith(".devcluster") else []
+        args = ["--target", self.target] if self.target else []
+        if self.dockerfile.endswith(".devcluster"):
+            args += ["--build-arg", f"GO_IMAGE={kube_builder}"]
+        return args
 
 
 PROJECT_IMAGES = (
@@ -266,12 +271,14 @@ PROJECT_IMAGES = (
     ProjectImage("kai-isolator-nodeagent:dev", "deploy/docker/Dockerfile.nodeagent"),
     ProjectImage("kai-isolator-devcluster:dev", "deploy/docker/Dockerfile.devcluster"),
 )
+# docker-compose.yml's GPU stand-in (hami-core's fake driver and NVML); a dev image, never deployed.
+FAKE_GPU_DRIVER = ProjectImage("fake-gpu-driver:dev", "deploy/docker/Dockerfile.nodeagent", target="fake-driver")
 
 
 def build_image(image: ProjectImage, kube_builder: str, log: TextIO = sys.stderr) -> float:
     started = time.monotonic()
     with build_ca():
-        done = subprocess.run(["docker", "build", "--network", "host", "-f", image.dockerfile, "-t", image.tag,
+        done = subprocess.run(["docker", "build", "--force-rm", "--network", "host", "-f", image.dockerfile, "-t", image.tag,
                                *image.build_args(kube_builder), "."], cwd=REPO, env=docker_env(), capture_output=True,
                               text=True, timeout=BUILD_TIMEOUT_S)
     if done.returncode != 0:
@@ -298,12 +305,13 @@ def main() -> int:
     started = time.monotonic()
     try:
         kube_builder = ensure_prerequisites()
-        for image in PROJECT_IMAGES:
+        for image in (*PROJECT_IMAGES, FAKE_GPU_DRIVER):
             build_image(image, kube_builder)
     except (ImageError, build.BuildError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(f"images ready in {time.monotonic() - started:.0f}s: " + ", ".join(i.tag for i in PROJECT_IMAGES), flush=True)
+    print(f"images ready in {time.monotonic() - started:.0f}s: " + ", ".join(i.tag for i in (*PROJECT_IMAGES, FAKE_GPU_DRIVER)),
+          flush=True)
     return 0
 
 
