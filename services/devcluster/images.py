@@ -62,9 +62,8 @@ def compose_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return {**docker_env(base), "DOCKER_CONFIG": str(engine_state() / "config")}
 
 
-def _docker(*args: str, env: dict[str, str] | None = None, timeout: float = 120, stdin: int | None = None) -> str:
-    done = subprocess.run(["docker", *args], env=env or docker_env(), capture_output=True, text=True, timeout=timeout,
-                          stdin=stdin)
+def _docker(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> str:
+    done = subprocess.run(["docker", *args], env=env or docker_env(), capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise ImageError(f"docker {' '.join(args[:3])} ... exited {done.returncode}: {(done.stderr or done.stdout).strip()[-3000:]}")
     return done.stdout
@@ -92,7 +91,10 @@ def _label(tag: str) -> str | None:
     """The stand-in digest label of a local image; None when there is no image of that name."""
     done = subprocess.run(["docker", "image", "inspect", "--format", f'{{{{index .Config.Labels "{DIGEST_LABEL}"}}}}', tag],
                           env=docker_env(), capture_output=True, text=True, timeout=60)
-    return done.stdout.strip() if done.returncode == 0 else None
+    if done.returncode != 0:
+        return None
+    label = done.stdout.strip()
+    return "" if label == "<no value>" else label
 
 
 def _size_mb(tag: str) -> float:
