@@ -14,7 +14,7 @@ CUDA_HEADERS := $(CUDA_HOME)/include/cuda.h
 endif
 export CUDA_HOME
 
-.PHONY: test run hami-core bench clean contract contract-tools control-plane
+.PHONY: test run hami-core bench clean contract contract-tools control-plane images
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,12 @@ contract-tools:
 # moves it); needs Go and its module proxy.
 control-plane: $(STAMP)
 	$(BIN)/python -m kai_isolator.services.devcluster.build
+
+# Every image of the project (kai-isolator:dev, kai-isolator-nodeagent:dev, kai-isolator-devcluster:dev) on the
+# Docker engine DOCKER_HOST names (`.ci/dockerd` starts a private one), with local stand-ins for the public base images
+# made from Debian packages (mmdebstrap) and the compose CLI plugin; prints each image's size and build time.
+images: $(STAMP) hami-core control-plane
+	$(BIN)/python -m kai_isolator.services.devcluster.images
 
 run: $(STAMP) hami-core control-plane
 	$(BIN)/kai-isolator dev --demo

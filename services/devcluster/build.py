@@ -57,6 +57,8 @@ class Component:
             for package in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
                 flags += [f"-X {package}.gitVersion={self.version}", f"-X {package}.gitMajor={major}",
                           f"-X {package}.gitMinor={minor}", f"-X {package}.gitTreeState=clean"]
+        elif self.module == "github.com/docker/compose/v2":
+            flags.append(f"-X {self.module}/internal.Version={self.version}")  # what its Makefile stamps
         return " ".join(flags)
 
     def digest(self) -> str:
@@ -70,7 +72,15 @@ class Component:
         return sha.hexdigest()[:12]
 
     def programs(self) -> list[str]:
-        return [self.name if p == "." else p.rsplit("/", 1)[1] for p in self.packages]
+        """The executables `go build -o dir/` writes: each package's last path element that is not a major version."""
+        return [self.name if p == "." else _program_name(p) for p in self.packages]
+
+
+def _program_name(package: str) -> str:
+    parts = package.split("/")
+    if re.fullmatch(r"v[2-9][0-9]*", parts[-1]):
+        parts.pop()
+    return parts[-1]
 
 
 ETCD = Component("etcd", MODULES / "etcd", "go.etcd.io/etcd/server/v3", (".",))
@@ -168,6 +178,8 @@ def _build(component: Component, target: Path, log: TextIO) -> None:
         if not (scratch / program).is_file():
             shutil.rmtree(scratch, ignore_errors=True)
             raise BuildError(f"go build of {component.name} left no {program} in {scratch}")
+    # mkdtemp made it 0700: an image that copies the cache (Dockerfile.devcluster) runs it as a non-root user.
+    scratch.chmod(0o755)
     os.replace(scratch, target)  # atomic: a reader sees the whole entry or none
     print(f"built {component.name} {component.version} ({', '.join(component.programs())}) in "
           f"{time.monotonic() - started:.0f}s -> {target}", file=log, flush=True)
