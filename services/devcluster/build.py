@@ -85,9 +85,9 @@ KUBE = Component("kubernetes", MODULES / "apiserver", "k8s.io/kubernetes",
 # The real node's programs. The same Kubernetes release as KUBE, from a module folder of its own so that adding
 # them leaves KUBE's cache entry (and `make run`, which needs only KUBE) untouched; the Go build cache still
 # shares every package the two have in common.
-KUBE_NODE = Component("kubernetes-node", MODULES / "node", "k8s.io/kubernetes",
-                      ("k8s.io/kubernetes/cmd/kubelet", "k8s.io/kubernetes/cmd/kube-controller-manager",
-                       "k8s.io/kubernetes/cmd/kube-scheduler"))
+KUBELET = Component("kubelet", MODULES / "node", "k8s.io/kubernetes", ("k8s.io/kubernetes/cmd/kubelet",))
+KUBE_CONTROLLERS = Component("kube-controllers", MODULES / "node", "k8s.io/kubernetes",
+                             ("k8s.io/kubernetes/cmd/kube-controller-manager", "k8s.io/kubernetes/cmd/kube-scheduler"))
 # containerd's storage drivers that need C libraries are left out, as its static release builds do.
 CONTAINERD = Component("containerd", MODULES / "containerd", "github.com/containerd/containerd/v2",
                        ("github.com/containerd/containerd/v2/cmd/containerd",
@@ -95,9 +95,9 @@ CONTAINERD = Component("containerd", MODULES / "containerd", "github.com/contain
                         "github.com/containerd/containerd/v2/cmd/ctr"),
                        tags="no_btrfs no_devmapper no_zfs", cgo=False)
 CNI = Component("cni-plugins", MODULES / "cni", "github.com/containernetworking/plugins",
-                ("github.com/containernetworking/plugins/plugins/main/loopback",), cgo=False)
+                tuple(f"github.com/containernetworking/plugins/plugins/{p}" for p in ("main/loopback", "main/ptp", "ipam/host-local")), cgo=False)
 COMPONENTS = (ETCD, KUBE)
-NODE_COMPONENTS = (KUBE_NODE, CONTAINERD, CNI)
+NODE_COMPONENTS = (KUBELET, KUBE_CONTROLLERS, CONTAINERD, CNI)
 
 
 def cache_root() -> Path:
@@ -237,14 +237,15 @@ class NodeBinaries:
 
 
 def ensure_node(log: TextIO = sys.stderr) -> NodeBinaries:
-    if KUBE_NODE.version != KUBE.version:
-        raise BuildError(f"{KUBE_NODE.folder / 'go.mod'} pins k8s.io/kubernetes {KUBE_NODE.version}, "
+    if KUBELET.version != KUBE.version:
+        raise BuildError(f"{KUBELET.folder / 'go.mod'} pins k8s.io/kubernetes {KUBELET.version}, "
                          f"{KUBE.folder / 'go.mod'} {KUBE.version}: a node must run its control plane's release")
-    kube = _timed(KUBE_NODE, log)
+    kubelet = _timed(KUBELET, log)
+    controllers = _timed(KUBE_CONTROLLERS, log)
     containerd = _timed(CONTAINERD, log)
     cni = _timed(CNI, log)
-    return NodeBinaries(kube / "kubelet", kube / "kube-controller-manager", kube / "kube-scheduler", containerd / "containerd",
-                        containerd / "containerd-shim-runc-v2", containerd / "ctr", cni, CONTAINERD.version)
+    return NodeBinaries(kubelet / "kubelet", controllers / "kube-controller-manager", controllers / "kube-scheduler",
+                        containerd / "containerd", containerd / "containerd-shim-runc-v2", containerd / "ctr", cni, CONTAINERD.version)
 
 
 def _timed(component: Component, log: TextIO) -> Path:
