@@ -9,8 +9,9 @@ GPU feature discovery sets. A DEV AND TEST FIXTURE.
 
 from __future__ import annotations
 
-import asyncio
+import argparse
 import shutil
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ RESOURCE = "nvidia.com/gpu"
 API_VERSION = "v1beta1"
 PLUGIN_SOCKET = "kai-isolator-fake-gpu.sock"
 REGISTER_TIMEOUT_S = 10.0
+DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"  # fixed by the API; the node's own (its /var/lib is the work dir's)
 
 
 class FakeGpuError(RuntimeError):
@@ -158,7 +160,6 @@ class FakeGpu:
         self.count = count
         self.driver = workdir / "driver"
         self.runtime = workdir / "nvidia-container-runtime"
-        self.plugin: DevicePlugin | None = None
 
     @property
     def ledger(self) -> Path:
@@ -189,11 +190,41 @@ class FakeGpu:
     def runtime_class() -> dict[str, Any]:
         return {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": "nvidia"}, "handler": "nvidia"}
 
-    async def start_device_plugin(self, folder: Path) -> None:
-        self.plugin = DevicePlugin(folder, [fake_gpu_uuid(i) for i in range(self.count)])
-        await asyncio.to_thread(self.plugin.start)
+    def device_plugin_command(self) -> list[str]:
+        """The device plugin as the node runs it (a process in the node's namespaces, as a DaemonSet's pod would be)."""
+        devices = [f"--device={fake_gpu_uuid(i)}" for i in range(self.count)]
+        return [sys.executable, "-m", "kai_isolator.services.devcluster.fakegpu", f"--folder={DEVICE_PLUGIN_DIR}", *devices]
 
-    async def stop(self) -> None:
-        if self.plugin is not None:
-            await asyncio.to_thread(self.plugin.stop)
-            self.plugin = None
+
+def serve(folder: Path, device_ids: list[str]) -> int:
+    """Run the device plugin until SIGTERM, registering again whenever the kubelet comes back (a new kubelet.sock)."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signo, frame: stop.set())
+    signal.signal(signal.SIGINT, lambda signo, frame: stop.set())
+    plugin = DevicePlugin(folder, device_ids)
+    kubelet = folder / "kubelet.sock"
+    registered_with = None
+    try:
+        while not stop.wait(0 if registered_with is None else 1.0):
+            current = kubelet.stat().st_ino if kubelet.exists() else None
+            if current is not None and current != registered_with:
+                plugin.stop()
+                plugin = DevicePlugin(folder, device_ids)
+                plugin.start()
+                registered_with = current
+                print(f"fake GPU device plugin: {RESOURCE} x{len(device_ids)} registered with the kubelet", flush=True)
+    finally:
+        plugin.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fakegpu", description="the real node's fake GPU device plugin (dev/test fixture)")
+    parser.add_argument("--folder", type=Path, default=Path(DEVICE_PLUGIN_DIR), help="the kubelet's device-plugin folder")
+    parser.add_argument("--device", dest="devices", action="append", required=True, help="a GPU's UUID (repeatable)")
+    args = parser.parse_args(argv)
+    return serve(args.folder, args.devices)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

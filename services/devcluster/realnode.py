@@ -34,9 +34,11 @@ VETH_POOL = ipaddress.ip_network("10.213.0.0/16")
 # writes this machine's own.
 KUBELET_SYSCTLS = {"vm/overcommit_memory": "1", "vm/panic_on_oom": "0", "kernel/panic": "10", "kernel/panic_on_oops": "1",
                    "kernel/keys/root_maxkeys": "1000000", "kernel/keys/root_maxbytes": "25000000"}
-# What the node sees at the machine's /run, /var/lib, /var/log and /usr/local: folders of the work dir (the node
-# agent's and the webhook's default host paths, /usr/local/vgpu and /var/lib/kai-isolator, among them).
-NODE_MOUNTS = ("/run", "/var/lib", "/var/log", "/usr/local")
+# The node's own /run, /var/lib and /var/log: folders of the work dir bound over the machine's, inside its mount namespace.
+NODE_MOUNTS = ("/run", "/var/lib", "/var/log")
+# The node's /usr/local: the machine's, read-only, under what the node writes (an overlay whose upper folder is in the
+# work dir), so the node agent's /usr/local/vgpu and whatever the machine keeps in /usr/local (an interpreter) are both there.
+NODE_OVERLAYS = ("/usr/local",)
 POD_SUBNET = "10.244.0.0/24"  # inside the node's network namespace only
 READY_TIMEOUT_S = 120.0
 STOP_GRACE_S = 10.0
@@ -184,7 +186,7 @@ class RealNode:
         self.labels = labels or {}
         self.runtimes = runtimes or {}  # extra containerd runtime handlers: name -> the runc-compatible program
         self.default_runtime = default_runtime
-        self.fs = self.workdir / "fs"  # the node's /run, /var/lib, /var/log
+        self.fs = self.workdir / "fs"  # the node's /run, /var/lib, /var/log and what it adds to /usr/local
         self.cgroup = NodeCgroup(f"kai-isolator-node-{addresses.node_link}")
         self._holder: subprocess.Popen[bytes] | None = None
         self._daemons: dict[str, subprocess.Popen[bytes]] = {}
@@ -192,12 +194,15 @@ class RealNode:
 
     # --- paths as the host sees them ---------------------------------------------------------
 
+    @property
+    def root(self) -> Path:
+        """The node's / as this machine sees it (as a node agent's host-root mount is): through its namespace holder."""
+        assert self._holder is not None, "make the node's namespaces first"
+        return Path(f"/proc/{self._holder.pid}/root")
+
     def host_path(self, inside: str) -> Path:
-        """Where a path of the node (under /run, /var/lib or /var/log) lies on this machine."""
-        for mount in NODE_MOUNTS:
-            if inside == mount or inside.startswith(mount + "/"):
-                return self.fs / mount.lstrip("/") / inside[len(mount):].lstrip("/")
-        raise ValueError(f"{inside}: not under the node's own {', '.join(NODE_MOUNTS)}")
+        """Where a path of the node lies on this machine."""
+        return self.root / inside.lstrip("/")
 
     @property
     def containerd_socket(self) -> Path:
@@ -238,6 +243,11 @@ class RealNode:
         # No default route: the node reaches the host's end of the veth and nothing else.
         script = [f"ip addr add {a.node_ip}/{a.prefix} dev {a.node_link}", f"ip link set {a.node_link} up", "ip link set lo up"]
         script += [f"mount --bind {shlex.quote(str(self.fs / m.lstrip('/')))} {m}" for m in NODE_MOUNTS]
+        for mount in NODE_OVERLAYS:
+            upper, work = (self.fs / f"{mount.strip('/').replace('/', '-')}-{kind}" for kind in ("upper", "work"))
+            upper.mkdir(parents=True, exist_ok=True)
+            work.mkdir(parents=True, exist_ok=True)
+            script.append(f"mount -t overlay overlay -o {shlex.quote(f'lowerdir={mount},upperdir={upper},workdir={work}')} {mount}")
         script += [f"mount --bind -o ro {shlex.quote(str(sysctls / k))} /proc/sys/{k}" for k in KUBELET_SYSCTLS]
         self._in_node(" && ".join(script))
         self.startup_s["namespaces"] = time.monotonic() - started
@@ -259,7 +269,7 @@ class RealNode:
         """A command in the node's namespaces (as `docker exec` into a kind node)."""
         return subprocess.run([*self._nsenter(), *argv], capture_output=True, text=True, timeout=timeout_s)
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(self.workdir / f"{name}.log", "ab")
         try:
             # Join the node's cgroup first, then enter its namespaces: what the daemon starts (shims) is the node's too.
@@ -288,15 +298,15 @@ class RealNode:
         handlers = {"runc": Path(RUNC), **self.runtimes}
         lines = [
             "version = 3",
-            f"root = {json.dumps(str(self.host_path('/var/lib/containerd')))}",
-            f"state = {json.dumps(str(self.host_path('/run/containerd')))}",
+            # Its defaults, which are the node's own: its /var/lib and /run are the work dir's.
+            "root = '/var/lib/containerd'", "state = '/run/containerd'",
             # NRI and the tracing processors would open sockets and files of their own; the node needs neither.
             "disabled_plugins = ['io.containerd.nri.v1.nri', 'io.containerd.tracing.processor.v1.otlp', 'io.containerd.internal.v1.tracing']",
             "[grpc]", "  address = '/run/containerd/containerd.sock'",
             "[ttrpc]", "  address = '/run/containerd/containerd.sock.ttrpc'",
-            "[plugins.'io.containerd.internal.v1.opt']", f"  path = {json.dumps(str(self.host_path('/var/lib/containerd-opt')))}",
+            "[plugins.'io.containerd.internal.v1.opt']", "  path = '/var/lib/containerd-opt'",
             "[plugins.'io.containerd.image-verifier.v1.bindir']",
-            f"  bin_dir = {json.dumps(str(self.host_path('/var/lib/containerd-opt/image-verifier/bin')))}",
+            "  bin_dir = '/var/lib/containerd-opt/image-verifier/bin'",
             "[plugins.'io.containerd.cri.v1.images']", "  snapshotter = 'overlayfs'",
             "[plugins.'io.containerd.cri.v1.images'.pinned_images]", f"  sandbox = {json.dumps(PAUSE_IMAGE)}",
             f"[{runtime}]",
@@ -328,7 +338,7 @@ class RealNode:
         config = self.workdir / "containerd.toml"
         config.write_text(self.containerd_config())
         path = f"{self.binaries.containerd.parent}:{os.environ.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}"
-        self._spawn("containerd", [str(self.binaries.containerd), f"--config={config}"], env={"PATH": path})
+        self.spawn("containerd", [str(self.binaries.containerd), f"--config={config}"], env={"PATH": path})
         self._wait("containerd", lambda: self.containerd_socket.is_socket() and self.ctr("version").returncode == 0, 60)
         self.startup_s["containerd"] = time.monotonic() - started
 
@@ -382,7 +392,7 @@ class RealNode:
             args.append(f"--kubeconfig={self.kubeconfig}")
         if labels:
             args.append(f"--node-labels={labels}")
-        self._spawn("kubelet", args)
+        self.spawn("kubelet", args)
         self._wait("kubelet", lambda: self.host_path("/var/lib/kubelet/device-plugins/kubelet.sock").is_socket(), READY_TIMEOUT_S)
         self.startup_s["kubelet"] = time.monotonic() - started
 
@@ -403,7 +413,7 @@ class RealNode:
     def stop(self) -> None:
         """Everything the node started ends; its cgroups, veth and mounts (with its namespaces) go."""
         errors = []
-        for name in ("kubelet", "containerd"):
+        for name in ("kubelet", *(n for n in self._daemons if n not in ("kubelet", "containerd")), "containerd"):
             self.terminate(self._daemons.pop(name, None))
         try:
             self.cgroup.remove()
