@@ -68,3 +68,30 @@ def test_other_commands_pass_through_untouched(tmp_path: Path, recorder: Path) -
 def test_bad_usage_is_refused_with_a_message(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-I", str(RUNTIME), "create"], capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and "usage:" in done.stderr
+
+
+def test_an_exec_into_a_gpu_container_names_the_ledger(tmp_path: Path) -> None:
+    folder = bundle(tmp_path, ["NVIDIA_VISIBLE_DEVICES=all"])
+    spec = json.loads((folder / "config.json").read_text())
+    nvidia_runtime.add_driver(spec, Path("/node/driver"))
+    (folder / "config.json").write_text(json.dumps(spec))
+    # runc's `state` names the bundle; `exec` records its arguments.
+    program = tmp_path / "runc"
+    program.write_text(f"#!/bin/sh\nfor a; do last=$a; done\ncase \"$*\" in state*|*' state '*) echo '{{\"bundle\": \"{folder}\"}}';; "
+                       f"*) printf '%s\\n' \"$@\" > {tmp_path / 'args'};; esac\n")
+    program.chmod(0o755)
+    process = tmp_path / "process.json"
+    process.write_text(json.dumps({"args": ["nvidia-smi"], "env": ["PATH=/usr/bin"]}))
+    run(program, "--root", "/r", "exec", "--process", str(process), "--detach", "abc")
+    assert json.loads(process.read_text())["env"] == ["PATH=/usr/bin", f"FAKE_CUDA_STATE={nvidia_runtime.LEDGER}"]
+
+
+def test_an_exec_into_a_container_without_the_driver_is_left_as_it_is(tmp_path: Path) -> None:
+    folder = bundle(tmp_path, ["PATH=/usr/bin"])
+    program = tmp_path / "runc"
+    program.write_text(f"#!/bin/sh\ncase \"$*\" in state*|*' state '*) echo '{{\"bundle\": \"{folder}\"}}';; *) printf '%s\\n' \"$@\" > {tmp_path / 'args'};; esac\n")
+    program.chmod(0o755)
+    process = tmp_path / "process.json"
+    process.write_text(json.dumps({"args": ["sh"], "env": ["PATH=/usr/bin"]}))
+    run(program, "exec", "--process", str(process), "abc")
+    assert json.loads(process.read_text())["env"] == ["PATH=/usr/bin"]
