@@ -24,6 +24,7 @@ from kai_isolator.services.nodeagent.settings import NodeAgentSettings
 from kai_isolator.services.verifier import dev as verifier_dev
 from kai_isolator.services.watcher import dev as watcher_dev
 from kai_isolator.shared.bus import connect, provision_stream
+from kai_isolator.shared.contract import DEFAULT_VGPU_MOUNT, INJECT_ANNOTATION, PRELOAD_PATH, VGPU_VOLUME
 from kai_isolator.shared.embedded_nats import EmbeddedNats
 from kai_isolator.shared.settings import BusSettings
 
@@ -60,9 +61,12 @@ async def services(node: Node, workdir: Path, nats_url: str) -> AsyncIterator[De
     gpu = node.real.gpu
     assert cluster is not None and gpu is not None
     ctx.values["kubeconfig"] = cluster.kubeconfig
-    # The enforcer's NVML is the node's (fake) driver, reading the node-wide ledger its containers write.
-    os.environ["FAKE_CUDA_STATE"] = str(gpu.ledger)
     async with contextlib.AsyncExitStack() as stack:
+        # The enforcer's NVML is the node's (fake) driver, reading the node-wide ledger its containers write; the
+        # rest of the session's tests keep their own.
+        before = os.environ.get("FAKE_CUDA_STATE")
+        os.environ["FAKE_CUDA_STATE"] = str(gpu.ledger)
+        stack.callback(lambda: os.environ.pop("FAKE_CUDA_STATE") if before is None else os.environ.update(FAKE_CUDA_STATE=before))
         await stack.enter_async_context(admission_dev.component(ctx))
         await cluster.register_webhook(ctx.values["admission_url"], ctx.values["admission_ca_bundle"], failure_policy="Fail")
         await stack.enter_async_context(watcher_dev.component(ctx))
@@ -163,3 +167,37 @@ def test_a_raw_driver_escape_is_killed_from_runcs_cgroups_and_the_neighbour_keep
     smi = subprocess.run([str(gpu.driver / "nvidia-smi")], env={"LD_LIBRARY_PATH": str(gpu.driver), "FAKE_CUDA_STATE": str(gpu.ledger)},
                          capture_output=True, text=True, timeout=30)
     assert re.search(r"\| +1024MiB / +15360MiB \|", smi.stdout), smi
+
+
+def test_upstreams_kind_smoke_checks_on_the_real_node(isolated_node: Node, cuda_image: str) -> None:
+    """The upstream isolator's kind smoke test, on our webhook and node agent: the library and ld.so.preload on the node,
+    the injected pod Ready as uid 1000 with the library mapped, a plain pod and an opted-out pod untouched."""
+    node = isolated_node
+    preload = node.real.node.host_path(DEFAULT_VGPU_MOUNT) / "ld.so.preload"  # type: ignore[union-attr]
+    until("the node agent installed the library", preload.is_file, 60)
+    named = Path(preload.read_text().split()[0])
+    assert named.name == "libvgpu.so" and str(named).startswith(f"{DEFAULT_VGPU_MOUNT}/")
+    assert node.real.node.host_path(str(named)).is_file()  # type: ignore[union-attr]
+
+    injected = kai_pod("as-user", cuda_image, 2048, ["sleep", "infinity"])
+    injected["spec"]["securityContext"] = {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True}
+    plain = {**kai_pod("plain", cuda_image, 0, ["sleep", "infinity"]), "metadata": {"name": "plain", "namespace": "default"}}
+    plain["spec"].pop("schedulerName")
+    opted_out = kai_pod("opted-out", cuda_image, 2048, ["sleep", "infinity"])
+    opted_out["metadata"]["annotations"][INJECT_ANNOTATION] = "false"
+    for pod in (injected, plain, opted_out):
+        node.apply_pod(pod)
+    for name in ("as-user", "plain", "opted-out"):
+        node.wait_running(name, timeout_s=120)
+
+    pod = node.pod("as-user")
+    assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+    assert any(v["name"] == VGPU_VOLUME and v["hostPath"]["path"] == DEFAULT_VGPU_MOUNT for v in pod["spec"]["volumes"])
+    mounts = {m["mountPath"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts[PRELOAD_PATH]["readOnly"] and mounts[DEFAULT_VGPU_MOUNT]["readOnly"]
+    assert node.kubectl("exec", "as-user", "--", "id", "-u").strip() == "1000"
+    assert f"{DEFAULT_VGPU_MOUNT}/" in node.kubectl("exec", "as-user", "--", "cat", "/proc/1/maps")
+    for name in ("plain", "opted-out"):
+        spec = node.pod(name)["spec"]
+        assert not any(v["name"] == VGPU_VOLUME for v in spec.get("volumes", [])), spec
+        assert "libvgpu.so" not in node.kubectl("exec", name, "--", "cat", "/proc/1/maps")
