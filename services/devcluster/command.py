@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from kai_isolator.shared.bus import wait_for_signal
+from kai_isolator.shared.errors import ConfigError
 from kai_isolator.shared.settings import load
 
 from .cluster import DevCluster
@@ -39,6 +40,10 @@ async def run(args: argparse.Namespace) -> int:
         args.gpu_nodes = tuple(args.gpu_nodes)
     settings = load(DevClusterSettings, args)
     if settings.real_node:
+        ignored = [flag for flag, value in (("--gpu-node", args.gpu_nodes), ("--listen", args.listen), ("--server-name", args.server_name),
+                                            ("--step", args.step_s)) if value is not None]
+        if ignored:
+            raise ConfigError(f"--real-node runs one real node (gpu-node-1) and serves on its veth: {', '.join(ignored)} cannot apply")
         return await _run_real_node(settings)
     async with DevCluster(workdir=settings.workdir, nodes=settings.node_specs(), step_s=settings.step_s, listen=settings.listen,
                           server_name=settings.server_name) as cluster:

@@ -126,14 +126,18 @@ class RealNodeCluster:
             await asyncio.sleep(0.2)
 
     async def stop(self) -> None:
-        if self.node is not None:
-            await asyncio.to_thread(self.node.stop)
-        for process in self._daemons.values():
-            RealNode.terminate(process)
-        if self.cluster is not None:
-            await self.cluster.stop()
-        if self._own_workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        """The node first (its pods and cgroups), then the controllers and the control plane, even if the node's
+        cleanup failed: that error is raised last."""
+        try:
+            if self.node is not None:
+                await asyncio.to_thread(self.node.stop)
+        finally:
+            for process in self._daemons.values():
+                RealNode.terminate(process)
+            if self.cluster is not None:
+                await self.cluster.stop()
+            if self._own_workdir:
+                shutil.rmtree(self.workdir, ignore_errors=True)
 
     async def __aenter__(self) -> RealNodeCluster:
         return await self.start()

@@ -343,7 +343,8 @@ class RealNode:
         self.startup_s["containerd"] = time.monotonic() - started
 
     def ctr(self, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(self.binaries.ctr), f"--address={self.containerd_socket}", "--namespace=k8s.io", *args],
+        """containerd's own client, in the node (what it keeps client-side, such as fifos, stays the node's)."""
+        return subprocess.run([*self._nsenter(), str(self.binaries.ctr), "--address=/run/containerd/containerd.sock", "--namespace=k8s.io", *args],
                               capture_output=True, text=True, timeout=timeout_s)
 
     def _import(self, archive: Path) -> None:

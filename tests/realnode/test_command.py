@@ -52,3 +52,9 @@ def test_the_command_runs_a_ready_node_and_leaves_nothing_behind(real_node: obje
     assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and _mentions(p, str(work))], "a node process outlived the command"
     assert not [h / cgroup for h in cgroup_hierarchies() if (h / cgroup).exists()], "the node's cgroups are still there"
     assert subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=10).stdout.count("kain") <= links_before.count("kain")
+
+
+def test_flags_for_simulated_nodes_are_refused_with_the_real_node() -> None:
+    done = subprocess.run([str(BIN / "kai-isolator"), "devcluster", "--real-node", "--gpu-node", "node-a:24576"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--gpu-node cannot apply" in done.stderr, done
