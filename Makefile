@@ -14,7 +14,7 @@ CUDA_HEADERS := $(CUDA_HOME)/include/cuda.h
 endif
 export CUDA_HOME
 
-.PHONY: test run hami-core bench clean contract contract-tools control-plane images
+.PHONY: test run hami-core bench clean contract contract-tools control-plane images real-node
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,7 +29,7 @@ $(abspath $(CUDA_WHEEL_DIR))/nvidia/cu13/include/cuda.h: | $(STAMP)
 hami-core: $(CUDA_HEADERS)
 	$(MAKE) -C hami-core CUDA_HOME=$(CUDA_HOME)
 
-test: $(STAMP) hami-core contract-tools control-plane
+test: $(STAMP) hami-core contract-tools control-plane real-node
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The event contract (docs/events): regenerate it from the code; build its validator and example subscribers.
@@ -50,6 +50,11 @@ control-plane: $(STAMP)
 # made from Debian packages (mmdebstrap) and the compose CLI plugin; prints each image's size and build time.
 images: $(STAMP) hami-core control-plane
 	$(BIN)/python -m kai_isolator.services.devcluster.images
+
+# The real node's kubelet, kube-controller-manager, kube-scheduler (the control plane's Kubernetes release), containerd
+# with its runc shim and ctr, and the CNI loopback plugin, cached the same way; runc is Debian's (`apt-get install runc`).
+real-node: control-plane
+	$(BIN)/python -m kai_isolator.services.devcluster.build --real-node
 
 run: $(STAMP) hami-core control-plane
 	$(BIN)/kai-isolator dev --demo

@@ -1,8 +1,9 @@
-"""Builds the local control plane (etcd, kube-apiserver, kubectl) and promtool from the pinned Go modules in `go/`, once.
+"""Builds the local control plane (etcd, kube-apiserver, kubectl), promtool, and for the real node its kubelet,
+runtime and CNI plugin, from the pinned Go modules in `go/`, once.
 
 The binaries land in a cache outside the repo (`~/.cache/kai-isolator/kube/<component>-<version>-<digest>/`),
 keyed by the module files, so a second run, or another checkout, reuses them. `python -m kai_isolator.services.devcluster.build`
-builds what is missing and prints the paths; `make test` runs it first.
+builds what is missing and prints the paths (`--real-node` adds the node's programs); `make test` runs it first.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class Component:
     folder: Path
     module: str  # the module whose version names the cache entry
     packages: tuple[str, ...]  # package paths for `go build`, relative to the folder
-    tags: tuple[str, ...] = ()  # `go build -tags`
+    tags: str = ""  # `go build -tags`
+    cgo: bool = True
 
     @property
     def version(self) -> str:
@@ -59,17 +61,21 @@ class Component:
                           f"-X {package}.gitMinor={minor}", f"-X {package}.gitTreeState=clean"]
         elif self.module == "github.com/docker/compose/v2":
             flags.append(f"-X {self.module}/internal.Version={self.version}")  # what its Makefile stamps
+        elif self.module == "github.com/containerd/containerd/v2":
+            flags.append(f"-X {self.module}/version.Version={self.version}")
         return " ".join(flags)
 
     def digest(self) -> str:
         """What the binaries depend on besides the toolchain: the module files, sources and flags."""
-        sha = hashlib.sha256(self.ldflags().encode())
-        if self.tags:  # only then, so that existing entries keep their names
-            sha.update(b"tags\0" + ",".join(self.tags).encode())
+        # Tags and cgo enter only when set, so the entries built before they existed keep their names.
+        sha = hashlib.sha256(self.ldflags().encode() + (f"\0{self.tags}\0{self.cgo}".encode() if self.tags or not self.cgo else b""))
         for path in sorted(self.folder.iterdir()):
             if path.is_file():
                 sha.update(path.name.encode() + b"\0" + path.read_bytes())
         return sha.hexdigest()[:12]
+
+    def tag_flags(self) -> list[str]:
+        return ["-tags", self.tags] if self.tags else []
 
     def programs(self) -> list[str]:
         """The executables `go build -o dir/` writes: each package's last path element that is not a major version."""
@@ -89,8 +95,23 @@ KUBE = Component("kubernetes", MODULES / "apiserver", "k8s.io/kubernetes",
 # remove_all_sd leaves out Prometheus' cloud service discoveries, which checking and unit-testing rules never
 # use: a fifth fewer packages to compile.
 PROMTOOL = Component("promtool", MODULES / "promtool", "github.com/prometheus/prometheus",
-                     ("github.com/prometheus/prometheus/cmd/promtool",), tags=("remove_all_sd",))
+                     ("github.com/prometheus/prometheus/cmd/promtool",), tags="remove_all_sd")
+# The real node's programs. The same Kubernetes release as KUBE, from a module folder of its own so that adding
+# them leaves KUBE's cache entry (and `make run`, which needs only KUBE) untouched; the Go build cache still
+# shares every package the two have in common.
+KUBELET = Component("kubelet", MODULES / "node", "k8s.io/kubernetes", ("k8s.io/kubernetes/cmd/kubelet",))
+KUBE_CONTROLLERS = Component("kube-controllers", MODULES / "node", "k8s.io/kubernetes",
+                             ("k8s.io/kubernetes/cmd/kube-controller-manager", "k8s.io/kubernetes/cmd/kube-scheduler"))
+# containerd's storage drivers that need C libraries are left out, as its static release builds do.
+CONTAINERD = Component("containerd", MODULES / "containerd", "github.com/containerd/containerd/v2",
+                       ("github.com/containerd/containerd/v2/cmd/containerd",
+                        "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2",
+                        "github.com/containerd/containerd/v2/cmd/ctr"),
+                       tags="no_btrfs no_devmapper no_zfs", cgo=False)
+CNI = Component("cni-plugins", MODULES / "cni", "github.com/containernetworking/plugins",
+                tuple(f"github.com/containernetworking/plugins/plugins/{p}" for p in ("main/loopback", "main/ptp", "ipam/host-local")), cgo=False)
 COMPONENTS = (ETCD, KUBE, PROMTOOL)
+NODE_COMPONENTS = (KUBELET, KUBE_CONTROLLERS, CONTAINERD, CNI)
 
 
 def cache_root() -> Path:
@@ -112,8 +133,10 @@ def _go() -> str:
     return go
 
 
-def _go_env() -> dict[str, str]:
+def _go_env(component: Component) -> dict[str, str]:
     env = dict(os.environ)
+    if not component.cgo:
+        env["CGO_ENABLED"] = "0"
     # Two jobs and a nice level, so people sharing a small machine can still work while it builds;
     # the local toolchain only, and the committed go.sum as the only truth for what gets downloaded.
     env["GOFLAGS"] = " ".join(f for f in (env.get("GOFLAGS", ""), "-p=2", "-trimpath", "-buildvcs=false", "-mod=readonly") if f)
@@ -134,7 +157,7 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def _count_packages(component: Component, env: dict[str, str]) -> int:
-    done = subprocess.run([_go(), "list", "-deps", *component.packages], cwd=component.folder, env=env,
+    done = subprocess.run([_go(), "list", "-deps", *component.tag_flags(), *component.packages], cwd=component.folder, env=env,
                           capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise BuildError(f"go list in {component.folder} failed:\n{done.stderr.strip()}")
@@ -142,15 +165,13 @@ def _count_packages(component: Component, env: dict[str, str]) -> int:
 
 
 def _build(component: Component, target: Path, log: TextIO) -> None:
-    env = _go_env()
-    if component.tags:
-        env["GOFLAGS"] += f" -tags={','.join(component.tags)}"
+    env = _go_env(component)
     total = _count_packages(component, env)
     scratch = Path(tempfile.mkdtemp(prefix=f".{component.name}-", dir=target.parent))
     started = time.monotonic()
     compiled = 0
     lines: list[str] = []
-    command = ["nice", "-n", "10", _go(), "build", "-v", "-ldflags", component.ldflags(), "-o", str(scratch) + "/", *component.packages]
+    command = ["nice", "-n", "10", _go(), "build", "-v", "-ldflags", component.ldflags(), *component.tag_flags(), "-o", str(scratch) + "/", *component.packages]
     process = subprocess.Popen(command, cwd=component.folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stop = threading.Event()
 
@@ -222,18 +243,60 @@ def promtool(log: TextIO = sys.stderr) -> Path:
     return ensure(PROMTOOL, log) / "promtool"
 
 
-def main() -> int:
+@dataclass(frozen=True)
+class NodeBinaries:
+    """The real node's programs besides runc, which comes from the system (Debian's `runc` package)."""
+
+    kubelet: Path
+    kube_controller_manager: Path
+    kube_scheduler: Path
+    containerd: Path
+    containerd_shim: Path
+    ctr: Path
+    cni_bin_dir: Path  # the folder the kubelet's CNI plugins are looked up in
+    containerd_version: str
+
+
+def ensure_node(log: TextIO = sys.stderr) -> NodeBinaries:
+    if KUBELET.version != KUBE.version:
+        raise BuildError(f"{KUBELET.folder / 'go.mod'} pins k8s.io/kubernetes {KUBELET.version}, "
+                         f"{KUBE.folder / 'go.mod'} {KUBE.version}: a node must run its control plane's release")
+    kubelet = _timed(KUBELET, log)
+    controllers = _timed(KUBE_CONTROLLERS, log)
+    containerd = _timed(CONTAINERD, log)
+    cni = _timed(CNI, log)
+    return NodeBinaries(kubelet / "kubelet", controllers / "kube-controller-manager", controllers / "kube-scheduler",
+                        containerd / "containerd", containerd / "containerd-shim-runc-v2", containerd / "ctr", cni, CONTAINERD.version)
+
+
+def _timed(component: Component, log: TextIO) -> Path:
+    started = time.monotonic()
+    target = ensure(component, log)
+    print(f"  {component.name} {component.version}: {time.monotonic() - started:.1f}s", file=log, flush=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args not in ([], ["--real-node"]):
+        print("usage: python -m kai_isolator.services.devcluster.build [--real-node]", file=sys.stderr)
+        return 2
     started = time.monotonic()
     try:
         binaries = ensure_all()
-        plane_ready = time.monotonic()
+        print(f"control plane ready in {time.monotonic() - started:.1f}s: etcd {binaries.etcd_version} {binaries.etcd}, "
+              f"kube-apiserver {binaries.kube_version} {binaries.kube_apiserver}, kubectl {binaries.kubectl}", flush=True)
+        started = time.monotonic()
         rule_checker = promtool()
+        print(f"promtool ready in {time.monotonic() - started:.1f}s: {PROMTOOL.version} {rule_checker}", flush=True)
+        if args:
+            started = time.monotonic()
+            node = ensure_node()
+            print(f"real node ready in {time.monotonic() - started:.1f}s: kubelet {node.kubelet}, containerd {node.containerd_version} "
+                  f"{node.containerd}, CNI plugins {node.cni_bin_dir}", flush=True)
     except BuildError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(f"control plane ready in {plane_ready - started:.1f}s: etcd {binaries.etcd_version} {binaries.etcd}, "
-          f"kube-apiserver {binaries.kube_version} {binaries.kube_apiserver}, kubectl {binaries.kubectl}", flush=True)
-    print(f"promtool ready in {time.monotonic() - plane_ready:.1f}s: {PROMTOOL.version} {rule_checker}", flush=True)
     return 0
 
 

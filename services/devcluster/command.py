@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from kai_isolator.shared.bus import wait_for_signal
+from kai_isolator.shared.errors import ConfigError
 from kai_isolator.shared.settings import load
 
 from .cluster import DevCluster
@@ -27,6 +28,10 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--gpu-node", dest="gpu_nodes", action="append", metavar="NAME[:MIB]",
                         help="a simulated GPU node (repeatable; default gpu-node-1:15360)")
     parser.add_argument("--step", dest="step_s", type=float, help="simulated scheduling / start delay in seconds (default 0.2)")
+    parser.add_argument("--real-node", dest="real_node", action="store_true", default=None,
+                        help="instead of simulated nodes, one real GPU node (gpu-node-1): kube-controller-manager, kube-scheduler, "
+                             "kubelet, containerd and runc in the node's own namespaces, its GPU faked at the driver level; needs root "
+                             "and Debian's runc (env KAI_ISOLATOR_DEVCLUSTER_REAL_NODE)")
     return parser
 
 
@@ -34,6 +39,12 @@ async def run(args: argparse.Namespace) -> int:
     if args.gpu_nodes:
         args.gpu_nodes = tuple(args.gpu_nodes)
     settings = load(DevClusterSettings, args)
+    if settings.real_node:
+        ignored = [flag for flag, value in (("--gpu-node", args.gpu_nodes), ("--listen", args.listen), ("--server-name", args.server_name),
+                                            ("--step", args.step_s)) if value is not None]
+        if ignored:
+            raise ConfigError(f"--real-node runs one real node (gpu-node-1) and serves on its veth: {', '.join(ignored)} cannot apply")
+        return await _run_real_node(settings)
     async with DevCluster(workdir=settings.workdir, nodes=settings.node_specs(), step_s=settings.step_s, listen=settings.listen,
                           server_name=settings.server_name) as cluster:
         where = ""
@@ -43,5 +54,21 @@ async def run(args: argparse.Namespace) -> int:
             cluster.write_kubeconfig(Path(settings.kubeconfig), server)
             where = f"; kubeconfig {settings.kubeconfig}"
         print(f"kai-isolator devcluster (dev/test fixture): kube-apiserver at {cluster.url}{where}; Ctrl-C to stop", flush=True)
+        await wait_for_signal()
+    return 0
+
+
+async def _run_real_node(settings: DevClusterSettings) -> int:
+    from .realcluster import NODE_NAME, RealNodeCluster  # grpc and the node's modules: only when asked for
+
+    async with RealNodeCluster(workdir=settings.workdir) as real:
+        assert real.cluster is not None
+        where = ""
+        if settings.kubeconfig:
+            real.cluster.write_kubeconfig(Path(settings.kubeconfig))
+            where = f"; kubeconfig {settings.kubeconfig}"
+        phases = ", ".join(f"{phase} {seconds:.1f}s" for phase, seconds in real.startup_s.items())
+        print(f"kai-isolator devcluster (dev/test fixture): kube-apiserver at {real.cluster.url}, real node {NODE_NAME} Ready "
+              f"({phases}){where}; Ctrl-C to stop", flush=True)
         await wait_for_signal()
     return 0

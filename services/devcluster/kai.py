@@ -221,6 +221,8 @@ class KaiScheduler:
 
     def __init__(self, api: AsyncApi, nodes: dict[str, int], step_s: float = 0.2) -> None:
         self.api = api
+        # Next to a real kube-scheduler, only pods that name KAI's scheduler are KAI's to bind.
+        self.only_kai_pods = False
         self.nodes = nodes  # name -> GPU memory label, MiB
         self.step_s = step_s
         self._tasks: set[asyncio.Task[None]] = set()
@@ -238,6 +240,8 @@ class KaiScheduler:
 
     def node_for(self, pod: Obj) -> str | None:
         spec = pod.get("spec") or {}
+        if self.only_kai_pods and spec.get("schedulerName") != SCHEDULER_NAME:
+            return None
         wanted = (spec.get("nodeSelector") or {}).get(HOSTNAME_LABEL)
         if wanted:
             return wanted if wanted in self.nodes else None

@@ -96,7 +96,8 @@ class ControlPlane:
         self.bind_address = bind_address
         self.port = port or free_port()
         self.hosts = hosts  # names besides loopback the serving certificate must carry (a compose service name)
-        self.url = f"https://127.0.0.1:{self.port}"
+        # Loopback unless it serves on one address of its own (the host's end of a real node's veth).
+        self.url = f"https://{bind_address if bind_address not in ('0.0.0.0', '::', '127.0.0.1') else '127.0.0.1'}:{self.port}"
         self.etcd_url = f"http://127.0.0.1:{self.etcd_port}"
         self._etcd: subprocess.Popen[bytes] | None = None
         self._apiserver: subprocess.Popen[bytes] | None = None
@@ -115,6 +116,9 @@ class ControlPlane:
             self.workdir / "apiserver.crt", self.workdir / "apiserver.key")
         # system:masters is the group the API server's bootstrap RBAC binds to cluster-admin.
         ca.issue_client("kai-isolator-admin", "system:masters").write(self.workdir / "admin.crt", self.workdir / "admin.key")
+        # What kube-apiserver shows a kubelet it calls (logs, exec): kubeadm's apiserver-kubelet-client.
+        ca.issue_client("kube-apiserver-kubelet-client", "system:masters").write(self.workdir / "kubelet-client.crt",
+                                                                                 self.workdir / "kubelet-client.key")
         signing = ec.generate_private_key(ec.SECP256R1())
         (self.workdir / "sa.key").write_bytes(private_key_pem(signing))
         (self.workdir / "sa.pub").write_bytes(public_key_pem(signing))
@@ -245,6 +249,9 @@ class ControlPlane:
             # The `kubernetes` Service's endpoints would name 127.0.0.1, which Endpoints refuse; nothing here dials it.
             "--endpoint-reconciler-type=none",
             f"--cert-dir={self.workdir / 'apiserver-certs'}",
+            f"--kubelet-client-certificate={self.workdir / 'kubelet-client.crt'}", f"--kubelet-client-key={self.workdir / 'kubelet-client.key'}",
+            # A node's name resolves nowhere here; its InternalIP is where its kubelet listens.
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
         ]
 
     def _start_apiserver(self, label: str = "kube-apiserver") -> None:

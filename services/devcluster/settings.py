@@ -19,6 +19,7 @@ class DevClusterSettings(BaseSettings):
     workdir: Path | None = Field(None, description="etcd data, PKI and logs (default: a temporary directory)")
     gpu_nodes: tuple[str, ...] = Field(("gpu-node-1:15360",), description="simulated GPU nodes as NAME[:GPU_MEMORY_MIB]")
     step_s: float = Field(0.2, ge=0, description="simulated scheduling / container start delay")
+    real_node: bool = Field(False, description="one real GPU node (kubelet, containerd, runc) instead of simulated ones")
 
     @field_validator("gpu_nodes")
     @classmethod

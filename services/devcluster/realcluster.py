@@ -1,0 +1,146 @@
+"""`RealNodeCluster`: the local control plane plus kube-controller-manager, kube-scheduler and one real GPU node.
+
+The node runs real pods in runc (see realnode.py); its GPU is faked at the driver level only, as a GPU Operator
+cluster looks to Kubernetes (see fakegpu.py). KAI-Scheduler stays simulated through the API. A DEV AND TEST FIXTURE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TextIO
+
+from kai_isolator.shared.errors import ConfigError
+
+from .build import BuildError, NodeBinaries, cache_root, ensure_node
+from .cluster import DevCluster
+from .fakegpu import FakeGpu
+from .plane import ControlPlaneError
+from .realnode import NodeAddresses, NodeError, RealNode
+
+NODE_NAME = "gpu-node-1"
+GPU_MEMORY_MIB = 15360
+READY_TIMEOUT_S = 120.0
+
+
+class RealNodeCluster:
+    """Start with `async with RealNodeCluster(...)`; `cluster` is the DevCluster (REST, kubectl), `node` the real node."""
+
+    def __init__(self, *, workdir: Path | None = None, build_log: TextIO = sys.stderr) -> None:
+        self._own_workdir = workdir is None
+        self.workdir = Path(tempfile.mkdtemp(prefix="kai-isolator-realnode-")) if workdir is None else Path(workdir)
+        self._build_log = build_log
+        self.cluster: DevCluster | None = None
+        self.node: RealNode | None = None
+        self.gpu: FakeGpu | None = None
+        self._daemons: dict[str, subprocess.Popen[bytes]] = {}
+        self.startup_s: dict[str, float] = {}
+
+    async def start(self) -> RealNodeCluster:
+        started = time.monotonic()
+        try:
+            binaries = await self._timed("build cache (node)", asyncio.to_thread(ensure_node, self._build_log))
+        except BuildError as error:
+            raise ConfigError(f"the real node could not be built: {error}") from None
+        try:
+            await self._start(binaries)
+        except BaseException:
+            await self.stop()
+            raise
+        self.startup_s["total"] = time.monotonic() - started
+        return self
+
+    async def _timed(self, phase: str, work: Any) -> Any:
+        started = time.monotonic()
+        result = await work
+        self.startup_s[phase] = time.monotonic() - started
+        return result
+
+    async def _start(self, binaries: NodeBinaries) -> None:
+        addresses = NodeAddresses.pick()
+        self.gpu = FakeGpu(self.workdir / "gpu", GPU_MEMORY_MIB)
+        self.gpu.prepare(cache_root())
+        self.node = RealNode(binaries, self.workdir / "node", name=NODE_NAME, kubeconfig=self.workdir / "kubelet.kubeconfig",
+                             ca_file=self.workdir / "cluster" / "plane" / "ca.crt", addresses=addresses, cache=cache_root(),
+                             labels=self.gpu.labels(), runtimes={"nvidia": self.gpu.runtime}, default_runtime="nvidia")
+        await self._timed("node namespaces", asyncio.to_thread(self.node.make_namespaces))
+        # The API server listens on the host's end of the node's veth, the one address both sides reach.
+        self.cluster = DevCluster(workdir=self.workdir / "cluster", nodes={}, listen=f"{addresses.host_ip}:0",
+                                  server_name=addresses.host_ip, build_log=self._build_log)
+        await self.cluster.start()
+        self.startup_s.update({phase: s for phase, s in self.cluster.startup_s.items() if phase != "total"})
+        plane = self.cluster.plane
+        assert plane is not None
+        cert, key = plane.node_credentials(NODE_NAME)
+        plane.write_kubeconfig(self.workdir / "kubelet.kubeconfig", NODE_NAME, {"client-certificate": str(cert), "client-key": str(key)})
+        await self._timed("controller-manager and scheduler", asyncio.to_thread(self._start_controllers, binaries))
+        await self._timed("node daemons", asyncio.to_thread(self.node.start_daemons))
+        self.node.spawn("device-plugin", self.gpu.device_plugin_command())
+        await self._timed("node ready", self._until_ready())
+        await self.cluster.request("POST", "/apis/node.k8s.io/v1/runtimeclasses", self.gpu.runtime_class())
+        assert self.cluster.scheduler is not None
+        self.cluster.scheduler.only_kai_pods = True
+        self.cluster.scheduler.nodes[NODE_NAME] = GPU_MEMORY_MIB
+
+    def _start_controllers(self, binaries: NodeBinaries) -> None:
+        assert self.cluster is not None and self.cluster.plane is not None
+        plane = self.cluster.plane
+        admin = str(plane.admin_kubeconfig)
+        self._spawn("kube-controller-manager", [
+            str(binaries.kube_controller_manager), f"--kubeconfig={admin}", "--leader-elect=false", "--secure-port=0",
+            f"--service-account-private-key-file={plane.workdir / 'sa.key'}", f"--root-ca-file={plane.workdir / 'ca.crt'}",
+            "--use-service-account-credentials=false"])
+        self._spawn("kube-scheduler", [str(binaries.kube_scheduler), f"--kubeconfig={admin}", "--leader-elect=false", "--secure-port=0"])
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = open(self.workdir / f"{name}.log", "ab")
+        try:
+            self._daemons[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            log.close()
+
+    async def _until_ready(self) -> None:
+        assert self.cluster is not None and self.node is not None
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            for name, process in self._daemons.items():
+                if process.poll() is not None:
+                    raise NodeError(f"{name} exited {process.returncode}:\n{(self.workdir / f'{name}.log').read_text(errors='replace')[-3000:]}")
+            try:
+                node = await self.cluster.get("nodes", None, NODE_NAME)
+                ready = {c["type"]: c["status"] for c in node.get("status", {}).get("conditions", [])}.get("Ready")
+                gpus = node.get("status", {}).get("allocatable", {}).get("nvidia.com/gpu", "0")
+                if ready == "True" and gpus != "0":
+                    return
+            except ControlPlaneError:
+                pass
+            if time.monotonic() > deadline:
+                raise NodeError(f"node {NODE_NAME} not Ready with nvidia.com/gpu after {READY_TIMEOUT_S:.0f}s:\n"
+                                f"{(self.node.workdir / 'kubelet.log').read_text(errors='replace')[-3000:]}")
+            await asyncio.sleep(0.2)
+
+    async def stop(self) -> None:
+        """The node first (its pods and cgroups), then the controllers and the control plane, even if the node's
+        cleanup failed: that error is raised last."""
+        try:
+            if self.node is not None:
+                await asyncio.to_thread(self.node.stop)
+        finally:
+            for process in self._daemons.values():
+                RealNode.terminate(process)
+            if self.cluster is not None:
+                await self.cluster.stop()
+            if self._own_workdir:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+
+    async def __aenter__(self) -> RealNodeCluster:
+        return await self.start()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.stop()

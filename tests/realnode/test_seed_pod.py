@@ -1,0 +1,203 @@
+"""The seed's pod on the real node, with our webhook, node agent, watcher and verifier running as local processes
+at their shipped defaults (the node's /usr/local/vgpu and /var/lib/kai-isolator are its own, in the work dir)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from real_node_support import HAMI_BUILD, Node
+from kai_isolator.services.admission import dev as admission_dev
+from kai_isolator.services.dev import DevContext
+from kai_isolator.services.nodeagent.agent import NodeAgent
+from kai_isolator.services.nodeagent.settings import NodeAgentSettings
+from kai_isolator.services.verifier import dev as verifier_dev
+from kai_isolator.services.watcher import dev as watcher_dev
+from kai_isolator.shared.bus import connect, provision_stream
+from kai_isolator.shared.contract import DEFAULT_VGPU_MOUNT, INJECT_ANNOTATION, PRELOAD_PATH, VGPU_VOLUME
+from kai_isolator.shared.embedded_nats import EmbeddedNats
+from kai_isolator.shared.settings import BusSettings
+
+VENV_BIN = Path(sys.executable).parent  # kubectl finds the kubectl-isolator plugin on PATH
+ISOLATED = "kai-resource-isolator.io/Isolated"
+
+# The seed's example, verbatim but for the image being a local stand-in of that name (no registry is reachable).
+SEED_POD = """
+apiVersion: v1
+kind: Pod
+metadata:
+  name: gpu-sharing-with-isolation
+  annotations:
+    gpu-memory: "4096"
+spec:
+  schedulerName: kai-scheduler
+  containers:
+  - name: cuda
+    image: nvidia/cuda:12.9.2-base-ubuntu24.04
+    command: ["sleep", "infinity"]
+"""
+
+
+@contextlib.asynccontextmanager
+async def services(node: Node, workdir: Path, nats_url: str) -> AsyncIterator[DevContext]:
+    bus = BusSettings(nats_url=nats_url)
+    nc = await connect(bus, nats_url, "real-node-tests")
+    try:
+        await provision_stream(nc.jetstream(timeout=bus.jetstream_timeout_s), bus)
+    finally:
+        await nc.drain()
+    ctx = DevContext(nats_url=nats_url, bus=bus, workdir=workdir)
+    cluster = node.real.cluster
+    gpu = node.real.gpu
+    assert cluster is not None and gpu is not None
+    ctx.values["kubeconfig"] = cluster.kubeconfig
+    async with contextlib.AsyncExitStack() as stack:
+        # The enforcer's NVML is the node's (fake) driver, reading the node-wide ledger its containers write; the
+        # rest of the session's tests keep their own.
+        before = os.environ.get("FAKE_CUDA_STATE")
+        os.environ["FAKE_CUDA_STATE"] = str(gpu.ledger)
+        stack.callback(lambda: os.environ.pop("FAKE_CUDA_STATE") if before is None else os.environ.update(FAKE_CUDA_STATE=before))
+        await stack.enter_async_context(admission_dev.component(ctx))
+        await cluster.register_webhook(ctx.values["admission_url"], ctx.values["admission_ca_bundle"], failure_policy="Fail")
+        await stack.enter_async_context(watcher_dev.component(ctx))
+        await stack.enter_async_context(verifier_dev.component(ctx))
+        settings = NodeAgentSettings(node_name="gpu-node-1", host_root=node.node.root, library=[HAMI_BUILD / "libvgpu.so"],
+                                     kubeconfig=cluster.kubeconfig, nvml_library=str(gpu.driver / "libnvidia-ml.so.1"),
+                                     status_interval_s=5, usage_interval_s=5)
+        agent = NodeAgent(settings, bus)
+        await agent.start(nats_url)
+        stack.push_async_callback(agent.stop)
+        yield ctx
+
+
+@pytest.fixture(scope="module")
+def isolated_node(real_node_session: Node, cuda_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    workdir = tmp_path_factory.mktemp("isolation")
+    nats = EmbeddedNats(workdir / "jetstream")
+    nats.start()
+    running = services(real_node_session, workdir, nats.url)
+    try:
+        real_node_session.loop.run(running.__aenter__(), 120)
+        yield real_node_session
+    finally:
+        with contextlib.suppress(Exception):
+            real_node_session.loop.run(running.__aexit__(None, None, None), 60)
+        nats.kill()
+
+
+def until(what: str, check: Any, timeout_s: float = 60) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not so after {timeout_s:.0f}s")
+        time.sleep(0.25)
+
+
+def test_the_seeds_pod_runs_isolated_in_runc(isolated_node: Node) -> None:
+    node = isolated_node
+    node.kubectl("apply", "-f", "-", input_text=SEED_POD)
+    node.made.append(("default", "gpu-sharing-with-isolation"))
+    try:
+        pod = node.wait_running("gpu-sharing-with-isolation", timeout_s=120)
+        assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+        smi = node.kubectl("exec", "gpu-sharing-with-isolation", "--", "nvidia-smi")
+        print(f"\nkubectl exec gpu-sharing-with-isolation -- nvidia-smi\n{smi}")
+        assert re.search(r"\| +\d+MiB / +4147MiB \|", smi) and "15360MiB" not in smi, smi
+        maps = node.kubectl("exec", "gpu-sharing-with-isolation", "--", "cat", "/proc/1/maps")
+        assert "/usr/local/vgpu/" in maps and "libvgpu.so" in maps, maps
+        probe = node.kubectl("exec", "gpu-sharing-with-isolation", "--", "cuprobe", "init", "ctx", "0",
+                             "alloc", str(4100 << 20), "alloc", str(100 << 20))
+        assert [line.split()[2] for line in probe.splitlines()[-2:]] == ["rc=0", "rc=2"], probe  # 2: CUDA_ERROR_OUT_OF_MEMORY
+
+        def isolated() -> bool:
+            conditions = node.pod("gpu-sharing-with-isolation")["status"].get("conditions", [])
+            return any(c["type"] == ISOLATED and c["status"] == "True" for c in conditions)
+
+        until("the pod's Isolated condition is True", isolated, 90)
+        env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "KUBECONFIG": str(node.plane.admin_kubeconfig)}
+
+        def verified() -> str:
+            done = subprocess.run([str(node.plane.binaries.kubectl), "isolator", "status"], capture_output=True, text=True, env=env, timeout=30)
+            return done.stdout if "verified" in done.stdout else ""
+
+        status = until("kubectl isolator status says verified", verified, 60)
+        print(status)
+    finally:
+        print(json.dumps(node.pod("gpu-sharing-with-isolation")["status"].get("conditions"), indent=1))
+
+
+def kai_pod(name: str, image: str, gpu_memory_mib: int, command: list[str]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default", "annotations": {"gpu-memory": str(gpu_memory_mib)}},
+            "spec": {"schedulerName": "kai-scheduler", "terminationGracePeriodSeconds": 1,
+                     "containers": [{"name": "cuda", "image": image, "imagePullPolicy": "Never", "command": command}]}}
+
+
+def test_a_raw_driver_escape_is_killed_from_runcs_cgroups_and_the_neighbour_keeps_its_memory(isolated_node: Node, cuda_image: str) -> None:
+    node = isolated_node
+    # The neighbour holds 1 GiB through the library, within its 2048 MiB; the attacker shares the fake GPU.
+    node.apply_pod(kai_pod("neighbour", cuda_image, 2048, ["cuprobe", "init", "ctx", "0", "alloc", str(1 << 30), "hold", "3600000"]))
+    node.apply_pod(kai_pod("attacker", cuda_image, 1024, ["sleep", "infinity"]))
+    node.wait_running("neighbour", timeout_s=120)
+    node.wait_running("attacker", timeout_s=120)
+    until("the neighbour holds its 1 GiB", lambda: "holding" in node.kubectl("logs", "neighbour"), 30)
+    # rawelf finds the driver's cuMemAlloc_v2 by a raw ELF lookup: the library never sees the 3 GiB.
+    attack = node.plane.kubectl("exec", "attacker", "--", "rawelf", str(3 << 30), "30000", check=False, timeout_s=60)
+    assert "alloc 3221225472 rc=0" in attack.stdout, attack
+    assert attack.returncode == 137, attack  # SIGKILLed by the enforcer, not ended by itself
+    assert "holding" in node.kubectl("logs", "neighbour")
+    neighbour = node.pod("neighbour")["status"]["containerStatuses"][0]
+    assert neighbour["restartCount"] == 0 and "running" in neighbour["state"], neighbour
+    # The driver's view: the neighbour's 1 GiB is all that is left on the GPU.
+    gpu = node.real.gpu
+    assert gpu is not None
+    smi = subprocess.run([str(gpu.driver / "nvidia-smi")], env={"LD_LIBRARY_PATH": str(gpu.driver), "FAKE_CUDA_STATE": str(gpu.ledger)},
+                         capture_output=True, text=True, timeout=30)
+    assert re.search(r"\| +1024MiB / +15360MiB \|", smi.stdout), smi
+
+
+def test_upstreams_kind_smoke_checks_on_the_real_node(isolated_node: Node, cuda_image: str) -> None:
+    """The upstream isolator's kind smoke test, on our webhook and node agent: the library and ld.so.preload on the node,
+    the injected pod Ready as uid 1000 with the library mapped, a plain pod and an opted-out pod untouched."""
+    node = isolated_node
+    preload = node.real.node.host_path(DEFAULT_VGPU_MOUNT) / "ld.so.preload"  # type: ignore[union-attr]
+    until("the node agent installed the library", preload.is_file, 60)
+    named = Path(preload.read_text().split()[0])
+    assert named.name == "libvgpu.so" and str(named).startswith(f"{DEFAULT_VGPU_MOUNT}/")
+    assert node.real.node.host_path(str(named)).is_file()  # type: ignore[union-attr]
+
+    injected = kai_pod("as-user", cuda_image, 2048, ["sleep", "infinity"])
+    injected["spec"]["securityContext"] = {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True}
+    plain = {**kai_pod("plain", cuda_image, 0, ["sleep", "infinity"]), "metadata": {"name": "plain", "namespace": "default"}}
+    plain["spec"].pop("schedulerName")
+    opted_out = kai_pod("opted-out", cuda_image, 2048, ["sleep", "infinity"])
+    opted_out["metadata"]["annotations"][INJECT_ANNOTATION] = "false"
+    for pod in (injected, plain, opted_out):
+        node.apply_pod(pod)
+    for name in ("as-user", "plain", "opted-out"):
+        node.wait_running(name, timeout_s=120)
+
+    pod = node.pod("as-user")
+    assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+    assert any(v["name"] == VGPU_VOLUME and v["hostPath"]["path"] == DEFAULT_VGPU_MOUNT for v in pod["spec"]["volumes"])
+    mounts = {m["mountPath"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts[PRELOAD_PATH]["readOnly"] and mounts[DEFAULT_VGPU_MOUNT]["readOnly"]
+    assert node.kubectl("exec", "as-user", "--", "id", "-u").strip() == "1000"
+    assert f"{DEFAULT_VGPU_MOUNT}/" in node.kubectl("exec", "as-user", "--", "cat", "/proc/1/maps")
+    for name in ("plain", "opted-out"):
+        spec = node.pod(name)["spec"]
+        assert not any(v["name"] == VGPU_VOLUME for v in spec.get("volumes", [])), spec
+        assert "libvgpu.so" not in node.kubectl("exec", name, "--", "cat", "/proc/1/maps")
