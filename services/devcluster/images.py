@@ -224,7 +224,7 @@ def ensure_compose(log: TextIO = sys.stderr) -> Path:
 def ensure_kube_builder(log: TextIO = sys.stderr) -> str:
     """A Go builder image whose kube cache already holds `make control-plane`'s binaries, for Dockerfile.devcluster's
     GO_IMAGE: its build.py then finds them by digest instead of building them a second time inside Docker."""
-    entries = [build.ensure(build.ETCD, log), build.ensure(build.KUBE, log)]
+    entries = [build.ensure(component, log) for component in build.COMPONENTS]
     tag = "kai-isolator-kube-builder:" + hashlib.sha256("\0".join(e.name for e in entries).encode()).hexdigest()[:12]
     if _label(tag) is not None:
         return tag
