@@ -195,7 +195,8 @@ async def test_killing_that_does_not_bring_the_container_back_under_escalates_to
         assert await until(lambda: bool(shipped.evicted), 20), f"{len(shipped.acted)} kills and no eviction"
     [(at, pod)] = shipped.evicted[:1]
     assert pod.uid == tenant.pod_ref.uid
-    assert [b.action for _, _, b in shipped.acted][-1] == "evicted"
+    # The eviction came with a kill; a poll before the kubelet stops the pod may kill once more.
+    assert [b.action for _, _, b in shipped.acted].count("evicted") == 1
     row("relay forever", node, at - began, shipped.verdict(tenant) + " (evicted)")
 
 
