@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -28,6 +29,17 @@ pytestmark = pytest.mark.timeout(600)
 INSTALL_TIMEOUT = "300s"
 NEXT_NODEAGENT = "kai-isolator-nodeagent:next"
 CARRIED_LIBRARY = "/opt/kai-isolator/lib/libvgpu.so"  # values.yaml nodeAgent.libraryPath
+
+
+def active_library(node: Node) -> str | None:
+    """The active build's path on the node (and in containers): ld.so.preload names the `libvgpu.so` link, which
+    points at `libvgpu.so.<version>`; None before the agent installed one."""
+    link = node.node.host_path(DEFAULT_VGPU_MOUNT) / "libvgpu.so"
+    preload = node.node.host_path(DEFAULT_VGPU_MOUNT) / "ld.so.preload"
+    if not preload.is_file() or not link.is_symlink():
+        return None
+    assert preload.read_text().split() == [f"{DEFAULT_VGPU_MOUNT}/libvgpu.so"]
+    return f"{DEFAULT_VGPU_MOUNT}/{os.path.basename(os.readlink(link))}"
 
 
 def set_flags(values: dict[str, str]) -> list[str]:
@@ -93,10 +105,7 @@ def test_upstreams_kind_smoke_checks_on_the_chart(release: Node, cuda_image: str
     agents = json.loads(node.kubectl("get", "pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=nodeagent", "-o", "json"))["items"]
     assert len(agents) == 1 and {"type": "Ready", "status": "True"}.items() <= next(
         c for c in agents[0]["status"]["conditions"] if c["type"] == "Ready").items(), agents[0]["status"]
-    preload = node.node.host_path(DEFAULT_VGPU_MOUNT) / "ld.so.preload"
-    until("the node agent installed the library", preload.is_file, 60)
-    library = preload.read_text().split()[0]
-    assert library.startswith(f"{DEFAULT_VGPU_MOUNT}/") and library.endswith("/libvgpu.so")
+    library = until("the node agent installed the library", lambda: active_library(node), 60)
     assert node.node.host_path(library).is_file()
 
     injected = gpu_pod("as-user", cuda_image, 2048, ["sleep", "infinity"])
@@ -176,9 +185,7 @@ def next_library_image(tmp_path: Path) -> str:
 
 def test_helm_upgrade_to_a_new_library_leaves_running_pods_alone(release: Node, cuda_image: str, tmp_path: Path) -> None:
     node = release
-    preload = node.node.host_path(DEFAULT_VGPU_MOUNT) / "ld.so.preload"
-    until("the node agent installed the library", preload.is_file, 60)
-    old = preload.read_text().split()[0]
+    old = until("the node agent installed the library", lambda: active_library(node), 60)
     node.apply_pod(gpu_pod("before-upgrade", cuda_image, 1024, ["sleep", "infinity"]))
     node.wait_running("before-upgrade", timeout_s=120)
     assert old in node.kubectl("exec", "before-upgrade", "--", "cat", "/proc/1/maps")
@@ -188,8 +195,8 @@ def test_helm_upgrade_to_a_new_library_leaves_running_pods_alone(release: Node, 
     started = time.monotonic()
     helm(node, "upgrade", RELEASE, str(CHART), "-n", NAMESPACE, "--reuse-values", "--set", "nodeAgent.image.tag=next",
          "--set", f"installer.rollout.version={version}", "--wait", "--timeout", INSTALL_TIMEOUT, timeout_s=360)
-    new = until("the rollout made the new version active",
-                lambda: (line := preload.read_text().split()[0]) != old and version in line and line, 180)
+    new = until("the rollout made the new version active", lambda: (active := active_library(node)) != old and active, 180)
+    assert new.endswith(f".{version}"), (new, version)
     print(f"\nhelm upgrade to the new library active on the node: {time.monotonic() - started:.1f}s ({old} -> {new})", file=sys.stderr)
 
     # The running pod keeps the library it mapped, and still runs; a new pod gets the new one.
@@ -210,7 +217,8 @@ def test_helm_uninstall_leaves_what_the_readme_says(release: Node, cuda_image: s
     node.apply_pod(gpu_pod("outlives-the-release", cuda_image, 1024, ["sleep", "infinity"]))
     node.wait_running("outlives-the-release", timeout_s=120)
     preload = node.node.host_path(DEFAULT_VGPU_MOUNT) / "ld.so.preload"
-    mapped = preload.read_text().split()[0]
+    mapped = active_library(node)
+    assert mapped is not None
 
     helm(node, "uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "120s", timeout_s=180)
     until("the release's pods are gone", lambda: not node.kubectl("get", "pods", "-n", NAMESPACE, "-o", "name").strip(), 120)
