@@ -237,7 +237,8 @@ def test_helm_uninstall_leaves_what_the_readme_says(release: Node, cuda_image: s
     root = node.node.root
     done = subprocess.run([str(Path(sys.executable).parent / "kai-isolator"), "nodeagent", "uninstall", "--host-root", str(root)],
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done
+    # 3: done, but a version is kept for the processes that map it (run again once they exit).
+    assert done.returncode == 3 and mapped.rsplit(".", 1)[1] in done.stderr and "still in use" in done.stderr, done
     assert not preload.exists()
     assert node.node.host_path(mapped).is_file(), "a version a running process maps is kept"
     assert mapped in node.kubectl("exec", "outlives-the-release", "--", "cat", "/proc/1/maps")

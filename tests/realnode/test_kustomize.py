@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kai_isolator.services.devcluster.plane import ControlPlaneError
 from kai_isolator.shared.contract import DEFAULT_VGPU_MOUNT
 from real_node_support import CHART_IMAGES, DEV_OVERLAY, NAMESPACE, Node, gpu_pod, import_docker_images, nats_volume, pod_logs, until, workloads
 
@@ -35,7 +36,7 @@ def applied(real_node_session: Node) -> Iterator[Node]:
         node.kubectl("wait", "--for=condition=complete", "job/kai-resource-isolator-certs", "-n", NAMESPACE, "--timeout=180s", timeout_s=200)
         for name in workloads(node, NAMESPACE):
             node.kubectl("rollout", "status", name, "-n", NAMESPACE, "--timeout=180s", timeout_s=200)
-    except AssertionError as error:
+    except (AssertionError, ControlPlaneError) as error:
         pods = node.kubectl("get", "pods,jobs,pvc", "-n", NAMESPACE, "-o", "wide", check=False)
         raise AssertionError(f"{error}\n{pods}\n{pod_logs(node, NAMESPACE)}") from None
     print(f"\nkubectl apply -k to all Ready: {time.monotonic() - started:.1f}s", file=sys.stderr)
