@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deploy.deploy_tools import helm_binary
+from kai_isolator.services.devcluster.images import docker_env
+from kai_isolator.services.devcluster.oci import docker_archive
 from kai_isolator.services.devcluster.plane import ControlPlane
 from kai_isolator.services.devcluster.realcluster import RealNodeCluster
 from kai_isolator.services.devcluster.realnode import RealNode
@@ -102,9 +105,6 @@ NATS_UID = 1000  # the chart's NATS runs as 1000 with fsGroup 1000, which a host
 
 def import_docker_images(node: Node, tags: tuple[str, ...], cache: Path) -> dict[str, float]:
     """The engine's images into the node's containerd, as `kind load docker-image` does; seconds per image."""
-    from kai_isolator.services.devcluster.images import docker_env
-    from kai_isolator.services.devcluster.oci import docker_archive
-
     took = {}
     for tag in tags:
         started = time.monotonic()
@@ -127,8 +127,6 @@ def nats_volume(node: Node, name: str) -> None:
 
 
 def helm(node: Node, *args: str, timeout_s: float = 300) -> str:
-    from deploy.deploy_tools import helm_binary
-
     done = subprocess.run([str(helm_binary()), *args], capture_output=True, text=True, timeout=timeout_s,
                           env={**os.environ, "KUBECONFIG": str(node.plane.admin_kubeconfig), "HELM_CACHE_HOME": str(node.real.workdir / "helm-cache"),
                                "HELM_CONFIG_HOME": str(node.real.workdir / "helm-config"), "HELM_DATA_HOME": str(node.real.workdir / "helm-data")})

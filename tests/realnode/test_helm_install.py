@@ -56,7 +56,7 @@ def release(real_node_session: Node, cuda_image: str, tmp_path_factory: pytest.T
     """The chart installed once for this module (`helm install --wait`), uninstalled after it unless a test did."""
     node = real_node_session
     images = import_docker_images(node, CHART_IMAGES, Path.home() / ".cache" / "kai-isolator" / "node-images")
-    print(f"\nimages imported: " + ", ".join(f"{t} {s:.1f}s" for t, s in images.items()), file=sys.stderr)
+    print("\nimages imported: " + ", ".join(f"{t} {s:.1f}s" for t, s in images.items()), file=sys.stderr)
     nats_volume(node, "kai-isolator-helm-nats")
     started = time.monotonic()
     try:
