@@ -408,6 +408,9 @@ class FakeGpu:
         self.folder.mkdir(parents=True, exist_ok=True)
         for name in LIBRARIES:
             shutil.copy2(self.build / name, self.folder / name)
+            link = self.folder / name.removesuffix(".1")  # the development names a driver install has too
+            link.unlink(missing_ok=True)
+            link.symlink_to(name)
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "kai_isolator.shared.fake_gpu", f"--socket={self.socket}",
