@@ -39,20 +39,17 @@ RAWELF = BUILD / "tests" / "rawelf"
 DEEPBIND = BUILD / "tests" / "deepbind"
 DEEPBIND_DSO = BUILD / "tests" / "libdeepbind.so"
 SHIM = BUILD / "tests" / "libshim.so"
-FAKE_NVML = FAKE_DIR / "libnvidia-ml.so.1"
+FAKE_NVML = FAKE_DIR / "libnvidia-ml.so.1"  # the build's copy, with no ledger beside it
 HOLD = ["hold", "600000"]
 ATTACK = 4 * GIB  # what each hostile tenant took under a 1 GiB grant before the enforcer
 
 
 @pytest.fixture
 def driver_view(node: SimNode, monkeypatch: pytest.MonkeyPatch) -> Iterator[Nvml]:
-    """The node agent's NVML: the fake one, answering from this node's ledger (the real one needs no env)."""
-    for key, value in node.driver_env.items():
-        if key.startswith("FAKE_"):
-            monkeypatch.setenv(key, value)
+    """The node agent's NVML: the fake one beside this node's ledger, which it answers from."""
     for knob in ("FAKE_NVML_PROCESS_API", "FAKE_NVML_GRAPHICS", "FAKE_NVML_USED"):
         monkeypatch.delenv(knob, raising=False)
-    reader = Nvml(str(FAKE_NVML))
+    reader = Nvml(str(node.gpu.nvml))
     yield reader
 
 
@@ -104,7 +101,7 @@ async def attack(container: Container, how: str, tmp_path: Path) -> Background:
 def holders(node: SimNode, container: Container) -> list[int]:
     """Host pids of the container that the driver shows holding memory (the fake NVML, as the agent reads it)."""
     mine = set(container.process.pids())
-    return sorted(p.pid for p in Nvml(str(FAKE_NVML)).snapshot().processes if p.pid in mine)
+    return sorted(p.pid for p in Nvml(str(node.gpu.nvml)).snapshot().processes if p.pid in mine)
 
 
 async def exited_by_sigkill(program: Background, timeout_s: float = 10) -> bool:
@@ -263,7 +260,8 @@ async def test_nothing_is_killed_on_a_partial_view(node: SimNode, driver_view: N
         def snapshot() -> enforce.DriverSnapshot:
             return Nvml(str(FAKE_DIR / "no-such-libnvidia-ml.so.1")).snapshot()
     elif failure == "no-driver-view":
-        monkeypatch.delenv("FAKE_CUDA_STATE")  # the fake NVML then answers NVML_ERROR_NOT_SUPPORTED
+        def snapshot() -> enforce.DriverSnapshot:  # no ledger beside this copy: NVML_ERROR_NOT_SUPPORTED
+            return Nvml(str(FAKE_NVML)).snapshot()
     else:
         monkeypatch.setenv("FAKE_NVML_USED", "unavailable")  # NVML_VALUE_NOT_AVAILABLE for every process
     pods = KnownPods(node.root / DEFAULT_GRANT_DIR.lstrip("/"), lambda: {c.pod_ref.uid: c.pod for c in node.containers})
@@ -303,7 +301,7 @@ async def test_the_agent_kills_publishes_breached_posts_the_event_and_counts(
     tenant = await node.start(gpu_pod("agent-hostile"), limit="1g")
     settings = NodeAgentSettings(node_name="gpu-node-sec", host_root=node.root, library=[], install_on_start=False,
                                  status_interval_s=3600, usage_interval_s=3600, kubeconfig=dev_cluster.kubeconfig,
-                                 enforce_interval_s=0.2, breach_tolerance_mib=0, nvml_library=str(FAKE_NVML))
+                                 enforce_interval_s=0.2, breach_tolerance_mib=0, nvml_library=str(node.gpu.nvml))
     await dev_cluster.ensure_namespace(tenant.pod_ref.namespace)  # the tenant's namespace exists, as it does wherever its pods run
     agent = NodeAgent(settings, bus_settings, probe_listen="127.0.0.1:0")
     assert agent.enforcer is not None

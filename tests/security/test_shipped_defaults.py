@@ -20,21 +20,17 @@ from kai_isolator.services.nodeagent.nvml import Nvml
 from kai_isolator.services.nodeagent.settings import NodeAgentSettings
 from kai_isolator.shared.contract import DEFAULT_GRANT_DIR, FRACTION_CONTAINER_ANNOTATION
 from kai_isolator.shared.events import Breach, PodRef
-from security.container import BUILD, CUPROBE, FAKE_DIR, GIB, MIB, NODE, SHIPPED, Background, Container, SimNode, gpu_pod
+from security.container import BUILD, CUPROBE, GIB, MIB, NODE, SHIPPED, Background, Container, SimNode, gpu_pod
 
 RAWELF = BUILD / "tests" / "rawelf"
-FAKE_NVML = FAKE_DIR / "libnvidia-ml.so.1"
 
 
 @pytest.fixture
 def driver_view(node: SimNode, monkeypatch: pytest.MonkeyPatch) -> Iterator[Nvml]:
-    """The node agent's NVML: the fake one, answering from this node's ledger."""
-    for key, value in node.driver_env.items():
-        if key.startswith("FAKE_"):
-            monkeypatch.setenv(key, value)
+    """The node agent's NVML: the fake one beside this node's ledger, which it answers from."""
     for knob in ("FAKE_NVML_PROCESS_API", "FAKE_NVML_GRAPHICS", "FAKE_NVML_USED"):
         monkeypatch.delenv(knob, raising=False)
-    yield Nvml(str(FAKE_NVML))
+    yield Nvml(str(node.gpu.nvml))
 
 
 class Shipped:
@@ -94,7 +90,7 @@ def inspected(container: Container, enforcer: enforce.Enforcer) -> object:
 def held_by(container: Container) -> int:
     """What the driver shows the container's processes holding (its cgroup and every one below it)."""
     mine = set(container.process.pids()) | nested_pids(container)
-    return sum(p.used_bytes or 0 for p in Nvml(str(FAKE_NVML)).snapshot().processes if p.pid in mine)
+    return sum(p.used_bytes or 0 for p in Nvml(str(node.gpu.nvml)).snapshot().processes if p.pid in mine)
 
 
 def nested_pids(container: Container) -> set[int]:
