@@ -36,7 +36,7 @@ from kai_isolator.shared.contract import (
     DEFAULT_GRANT_DIR, DEFAULT_VGPU_MOUNT, GPU_MEMORY_ANNOTATION, GRANT_FILE, GRANT_VOLUME, LIMIT_ENV,
 )
 from kai_isolator.shared.events import InspectReply, InspectRequest, PodIsolation, PodRef
-from kai_isolator.shared.fake_gpu import FakeGpu
+from kai_isolator.shared.fake_gpu import FAKE_CONTEXT_OVERHEAD_BYTES, FakeGpu
 from kai_isolator.shared.grant import DeviceGrant, Grant, GrantSource
 from kai_isolator.shared.limits import parse_limit
 
@@ -49,6 +49,7 @@ NAMESPACE = "tenant"
 NODE = "gpu-node-sec"
 GIB = 1 << 30
 MIB = 1 << 20
+CONTEXT = FAKE_CONTEXT_OVERHEAD_BYTES  # what the fake driver charges each context, in NVML's figure for its process
 FAKE_GPU_UUID = "GPU-0000fa4e-1111-2222-3333-000000000000"  # the fake NVML's device 0
 LIBRARY_PATH = f"{DEFAULT_VGPU_MOUNT}/libvgpu.so"  # what the verifier expects in /etc/ld.so.preload
 
