@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import errno
 import os
+import resource
 import secrets
 import select
 import selectors
@@ -139,6 +140,10 @@ class Ledger:
         try:
             sock, _ = self.listener.accept()
         except BlockingIOError:
+            return
+        except OSError as error:  # out of descriptors: the caller's connect waits in the backlog, then times out
+            print(f"fake_gpu: cannot accept a process: {error}", file=sys.stderr, flush=True)
+            time.sleep(0.05)
             return
         pid, _, _ = UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size))
         try:
@@ -478,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--total-mib", type=int, default=15360)
     args = parser.parse_args(argv)
+    # Two descriptors per process (its link and its pidfd): a node of a thousand GPU processes needs more than 1024.
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     try:
         ledger = Ledger(args.socket, args.devices, args.total_mib * MIB)
     except (FakeGpuError, OSError) as error:

@@ -4,16 +4,12 @@
  * PID, as the real driver does; without one, the card is FAKE_CUDA_DEVICES x FAKE_CUDA_TOTAL_MIB, used
  * memory is this process's own fake driver's count, and there is no process list. */
 #define _GNU_SOURCE
-#include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/sysmacros.h>
 #include <unistd.h>
 #include "fake_cuda.h"
 #include "fake_ledger.h"
