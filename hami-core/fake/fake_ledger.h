@@ -61,6 +61,7 @@ _Static_assert(sizeof(fake_ledger_request) == 24 && sizeof(fake_ledger_reply) ==
 #include <dlfcn.h>
 #include <errno.h>
 #include <limits.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -71,11 +72,14 @@ _Static_assert(sizeof(fake_ledger_request) == 24 && sizeof(fake_ledger_reply) ==
 static int fake_ledger_connect(const void *self) {
     Dl_info info;
     if (!dladdr(self, &info) || !info.dli_fname) return -1;
+    /* Beside the file itself, however the loader reached it (a symlinked directory, /lib for /usr/lib). */
+    char real[PATH_MAX];
+    const char *path = realpath(info.dli_fname, real) ? real : info.dli_fname;
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
-    const char *slash = strrchr(info.dli_fname, '/');
-    size_t dir = slash ? (size_t)(slash - info.dli_fname) + 1 : 0;
+    const char *slash = strrchr(path, '/');
+    size_t dir = slash ? (size_t)(slash - path) + 1 : 0;
     if (dir + sizeof FAKE_LEDGER_SOCKET > sizeof addr.sun_path) return -2;
-    memcpy(addr.sun_path, info.dli_fname, dir);
+    memcpy(addr.sun_path, path, dir);
     memcpy(addr.sun_path + dir, FAKE_LEDGER_SOCKET, sizeof FAKE_LEDGER_SOCKET);
     struct stat st;
     if (stat(addr.sun_path, &st) != 0) return errno == ENOENT ? -1 : -2;

@@ -271,11 +271,11 @@ class SimNode:
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         self.layout = HostLayout(self.root, DEFAULT_VGPU_MOUNT)
-        # The node's driver folder: the fake libraries and the ledger's socket beside them.
-        self.gpu = FakeGpu(self.scratch / "nvidia-driver", total_mib=self.gpu_total_mib).start()
         self.placement = CgroupPlacement(prefix=f"kai-sec-{uuid.uuid4().hex[:12]}", driver=self.driver)
         _, self.version = install.read_library(LIBVGPU)
         install.activate(self.layout, self.version, {self.version: LIBVGPU})
+        # The node's driver folder: the fake libraries and the ledger's socket beside them (last: stop() ends it).
+        self.gpu = FakeGpu(self.scratch / "nvidia-driver", total_mib=self.gpu_total_mib).start()
 
     @property
     def driver_env(self) -> dict[str, str]:
@@ -342,9 +342,11 @@ class SimNode:
         return self.driver_stats(device)["used"]
 
     async def stop(self) -> None:
-        for program in self.background:
-            await program.stop()
-        for container in self.containers:
-            await container.process.stop()
-        await asyncio.to_thread(self.placement.remove)
-        self.gpu.stop()
+        try:
+            for program in self.background:
+                await program.stop()
+            for container in self.containers:
+                await container.process.stop()
+            await asyncio.to_thread(self.placement.remove)
+        finally:
+            self.gpu.stop()
