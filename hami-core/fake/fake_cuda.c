@@ -483,6 +483,7 @@ EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx) {
 
 /* ---- what a context spends outside cuMemAlloc: limits, modules ---- */
 
+/* Each limit as last set, plus one (0: never set, the default holds). */
 static _Atomic size_t limit_values[MAX_DEVICES][3];
 
 static size_t limit_default(CUlimit limit) {
@@ -502,7 +503,7 @@ EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
         rc = ledger_ask(FAKE_OP_LIMIT, dev, (uint64_t)limit, value, &r, -1, NULL);
         if (rc != CUDA_SUCCESS) return rc;
     }
-    atomic_store(&limit_values[dev][limit], value ? value : 1);
+    atomic_store(&limit_values[dev][limit], value + 1);
     return CUDA_SUCCESS;
 }
 
@@ -514,7 +515,7 @@ EXPORT CUresult cuCtxGetLimit(size_t *value, CUlimit limit) {
     if (limit != CU_LIMIT_STACK_SIZE && limit != CU_LIMIT_PRINTF_FIFO_SIZE && limit != CU_LIMIT_MALLOC_HEAP_SIZE)
         return CUDA_ERROR_UNSUPPORTED_LIMIT;
     size_t set = atomic_load(&limit_values[dev][limit]);
-    *value = set ? set : limit_default(limit);
+    *value = set ? set - 1 : limit_default(limit);
     return CUDA_SUCCESS;
 }
 

@@ -13,6 +13,7 @@ import socket
 import struct
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,6 +124,19 @@ def env_of(gpu: FakeGpu, **extra: str) -> dict[str, str]:
 def nvml_view(gpu: FakeGpu) -> dict[int, int | None]:
     """Host PID -> bytes on device 0, read as the node agent's enforcer reads them."""
     return {p.pid: p.used_bytes for p in Nvml(str(gpu.nvml)).snapshot().processes if p.device_index == 0}
+
+
+def exited(pid: int, timeout_s: float = 10) -> bool:
+    """Until `pid` has exited (gone, or a zombie: its descriptors are closed by then), at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text():
+                return True
+        except OSError:
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def holder(gpu: FakeGpu, tenants: list[Tenant], nbytes: int, **extra: str) -> Tenant:
@@ -275,6 +289,7 @@ def test_a_process_in_its_own_pid_namespace_is_charged_by_its_host_pid(gpu: Fake
     finally:
         os.killpg(inside.pid, signal.SIGKILL)
         inside.wait()
+    assert exited(pid)  # the namespace's init, killed with its group, ends just after unshare does
     assert nvml_view(gpu) == {} and gpu.stats()["used"] == 0  # a dead process's memory is released
 
 
@@ -373,7 +388,12 @@ assert cu.cuIpcCloseMemHandle(ptr) == 0 and cu.cuMemRelease(got) == 0; say(step=
 
 def test_a_limit_that_does_not_fit_is_refused_and_the_old_one_kept(gpu: FakeGpu, tenants: list[Tenant]) -> None:
     hog = holder(gpu, tenants, CARD - 2 * CONTEXT - 16 * MIB)
-    user = Tenant("context(); say(big=cu.cuCtxSetLimit(2, 64 << 20), small=cu.cuCtxSetLimit(2, 16 << 20)); wait()", env_of(gpu))
+    user = Tenant("""
+context(); value = ctypes.c_size_t()
+small = cu.cuCtxSetLimit(2, 16 << 20); big = cu.cuCtxSetLimit(2, 64 << 20); cu.cuCtxGetLimit(ctypes.byref(value), 2)
+say(small=small, big=big, kept=value.value); wait()
+""", env_of(gpu))
     tenants.append(user)
-    assert user.said() == {"big": 2, "small": 0}  # CUDA_ERROR_OUT_OF_MEMORY, as the real driver answers
+    # CUDA_ERROR_OUT_OF_MEMORY, as the real driver answers, and the limit stays what it was.
+    assert user.said() == {"small": 0, "big": 2, "kept": 16 * MIB}
     assert nvml_view(gpu) == {hog.pid: CARD - CONTEXT - 16 * MIB, user.pid: CONTEXT + 8 * MIB}
