@@ -14,7 +14,7 @@ CUDA_HEADERS := $(CUDA_HOME)/include/cuda.h
 endif
 export CUDA_HOME
 
-.PHONY: test run hami-core bench clean contract contract-tools control-plane images real-node
+.PHONY: test run hami-core bench clean contract contract-tools control-plane images real-node kai
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,12 @@ images: $(STAMP) hami-core control-plane
 # with its runc shim and ctr, and the CNI loopback plugin, cached the same way; runc is Debian's (`apt-get install runc`).
 real-node: control-plane
 	$(BIN)/python -m kai_isolator.services.devcluster.build --real-node
+
+# The real KAI-Scheduler's programs (scheduler, binder, admission, resourcereservation, podgrouper, queuecontroller,
+# podgroupcontroller), built from its source archive beside the checkout (../shared/third_party/kai-scheduler/, or
+# KAI_ISOLATOR_KAI_SOURCE) into the same cache, keyed by the archive's sha256 and the Go version; KAI_PROGRAMS picks some.
+kai: $(STAMP)
+	$(BIN)/python -m kai_isolator.services.devcluster.build --kai $(KAI_PROGRAMS)
 
 run: $(STAMP) hami-core control-plane
 	$(BIN)/kai-isolator dev --demo
