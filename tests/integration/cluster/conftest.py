@@ -74,7 +74,8 @@ def gpu_pod(name: str, node: str = "gpu-node-1") -> dict[str, Any]:
     Bound by the simulated KAI scheduler to the node its nodeSelector names; KAI's admission adds the limit env.
     """
     return {"metadata": {"name": name, "annotations": {"gpu-memory": "4096"}},
-            "spec": {"containers": [{"name": "main", "image": "busybox"}], "nodeSelector": {"kubernetes.io/hostname": node}}}
+            "spec": {"schedulerName": "kai-scheduler", "containers": [{"name": "main", "image": "busybox"}],
+                     "nodeSelector": {"kubernetes.io/hostname": node}}}
 
 
 async def stream_events(url: str, filter_subject: str) -> list[Any]:

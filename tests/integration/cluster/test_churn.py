@@ -84,8 +84,8 @@ def pod_body(name: str, node: str, opted_out: bool) -> dict[str, Any]:
     annotations = {"gpu-memory": "4096"} | ({"kai-resource-isolator.io/inject": "false"} if opted_out else {})
     # RuntimeDefault seccomp: without it the webhook's policy (warn mode) finds a user-namespace escape and says `warned`.
     return {"metadata": {"name": name, "annotations": annotations},
-            "spec": {"containers": [{"name": "main", "image": "busybox"}], "nodeSelector": {"kubernetes.io/hostname": node},
-                     "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}}}}
+            "spec": {"schedulerName": "kai-scheduler", "containers": [{"name": "main", "image": "busybox"}],
+                     "nodeSelector": {"kubernetes.io/hostname": node}, "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}}}}
 
 
 def judged(pod: dict[str, Any]) -> bool:

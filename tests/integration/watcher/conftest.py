@@ -86,7 +86,7 @@ def gpu_pod(name: str, *, node: str | None = "gpu-node-1", annotations: dict[str
     """A pod asking for a GPU share, optionally already carrying the webhook's library mount (our webhook is not
     registered on `dev_cluster`, so the mount stands for its work); `node=None` leaves it unschedulable, Pending."""
     container: dict[str, Any] = {"name": "main", "image": "busybox"}
-    spec: dict[str, Any] = {"containers": [container]}
+    spec: dict[str, Any] = {"schedulerName": "kai-scheduler", "containers": [container]}  # KAI admits only its own pods
     if node:
         spec["nodeSelector"] = {"kubernetes.io/hostname": node}
     if injected:
