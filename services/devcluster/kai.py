@@ -364,6 +364,12 @@ async def kai_bind(api: AsyncApi, pod: Obj, node: str, gpu_memory_mib: int | Non
                           content_type="application/merge-patch+json")
         for configmap in configmaps:
             await _upsert(api, meta["namespace"], configmap)
+    await bind_pod(api, pod, node)
+
+
+async def bind_pod(api: AsyncApi, pod: Obj, node: str) -> None:
+    """The `binding` subresource, as any scheduler binds."""
+    meta = pod["metadata"]
     binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": meta["name"], "uid": meta["uid"]},
                "target": {"apiVersion": "v1", "kind": "Node", "name": node}}
     await api.request("POST", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/binding", binding)
@@ -519,7 +525,7 @@ class KaiScheduler:
         kais = pod["spec"].get("schedulerName") == self.options.scheduler_name
         for node in self.candidates(pod):
             if not (kais and is_gpu_sharing(pod)):  # the default scheduler's stand-in books no GPU and writes no ConfigMap
-                await kai_bind(self.api, pod, node, options=self.options, node_labels={})
+                await bind_pod(self.api, pod, node)
                 return True
             labels = (await self.api.request("GET", f"/api/v1/nodes/{node}"))["metadata"].get("labels") or {}
             chosen = await self._fitting_gpus(node, labels, annotations)
