@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 from aiohttp import web
 
@@ -85,6 +86,9 @@ class KaiOptions:
     cdi: bool = False  # the binder names devices in CDI form (the device plugin uses CDI)
     fail_bind_without_limit: bool = False  # PR #2157: the bind fails when no limit can be computed
     floor_gpu_memory: bool = True  # before PR #2041: the scheduler floors the node's GPU memory to 100 MiB
+    # The simulation's own switch, not KAI's: False places every share on the node's first GPU(s) however full, for
+    # tests that run dozens of pods on one simulated node and test something else than KAI's capacity.
+    book_capacity: bool = True
 
 
 SEED = KaiOptions()
@@ -516,6 +520,8 @@ class KaiScheduler:
                     # Another event's timer bound it first (409), or the pod is gone (404): nothing is lost.
                     log.debug("bind of %s/%s skipped: %s", meta["namespace"], meta["name"], error)
                     return
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
+                    log.debug("bind of %s/%s waits for the API server: %r", meta["namespace"], meta["name"], error)  # restarted
                 await asyncio.sleep(self.retry_s)  # no room (or KAI could not bind): Pending, as with KAI, until there is
         finally:
             self._waiting.discard(meta["uid"])
@@ -541,12 +547,14 @@ class KaiScheduler:
 
     async def _fitting_gpus(self, node: str, labels: dict[str, str], annotations: dict[str, str]) -> list[int] | None:
         """The GPUs of `node` the pod fits on, one per device it asks for (the fullest first, as KAI packs), or None."""
+        count = num_devices(annotations)
+        if not self.options.book_capacity:
+            return list(range(count))
         planned = node_gpu_memory_mib(labels.get(GPU_MEMORY_LABEL), self.options)
         wanted = booked_mib(annotations, planned)
         used = await self._booked(node, planned)
         room = sorted((i for i in range(_node_gpus(labels)) if planned - used.get(gpu_group(node, i), 0) - wanted >= 0),
                       key=lambda i: -used.get(gpu_group(node, i), 0))
-        count = num_devices(annotations)
         return sorted(room[:count]) if len(room) >= count else None
 
     async def _booked(self, node: str, planned: int) -> dict[str, int]:

@@ -4,13 +4,17 @@ seed-configured admission per session (KAI's configurations would judge every po
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from control_plane.fixtures import _session_plane
-from kai_isolator.services.devcluster.kai import KAI_NAMESPACE
+from kai_isolator.services.devcluster.build import _unpack, kai_source
+from kai_isolator.services.devcluster.kai import GPU_MEMORY_LABEL, KAI_NAMESPACE
 from kai_isolator.services.devcluster.plane import ControlPlane
-from kai.real_kai import TENANT, RealKaiAdmission, ensure_namespace, ensure_runtime_class, real_admission
+from kai.real_kai import TENANT, RealKaiAdmission, RealKaiScheduling, ensure_namespace, ensure_runtime_class, real_admission
+
+T4_NODE = "gpu-node-1"
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +31,23 @@ def kai_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane
 def seed_kai(kai_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealKaiAdmission]:
     """KAI's admission as the seed installs it (gpuSharing, hamicore)."""
     yield from real_admission(kai_plane, tmp_path_factory.mktemp("kai-seed"), hamicore=True)
+
+
+@pytest.fixture(scope="session")
+def kai_source_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """KAI's source tree, unpacked from its archive: its CRDs are what its chart installs."""
+    return _unpack(kai_source(), tmp_path_factory.mktemp("kai-source"))
+
+
+@pytest.fixture(scope="session")
+def kai_scheduling(kai_plane: ControlPlane, seed_kai: RealKaiAdmission, kai_source_tree: Path,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealKaiScheduling]:
+    """KAI's podgrouper, scheduler and binder (seed flags) beside the seed admission, and one simulated T4 node."""
+    scheduling = RealKaiScheduling(kai_plane, tmp_path_factory.mktemp("kai-scheduling"), kai_source_tree)
+    scheduling.install([TENANT])
+    scheduling.add_node(T4_NODE, {GPU_MEMORY_LABEL: "15360"})
+    scheduling.start()
+    try:
+        yield scheduling
+    finally:
+        scheduling.stop()

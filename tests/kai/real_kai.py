@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from kai_isolator.services.devcluster.build import ensure_kai
-from kai_isolator.services.devcluster.kai import ADMISSION_NAME, ADMISSION_WEBHOOK, KAI_NAMESPACE, SCHEDULER_NAME
+from kai_isolator.services.devcluster.kai import (
+    ADMISSION_NAME, ADMISSION_WEBHOOK, GPU_MEMORY_LABEL, KAI_NAMESPACE, SCHEDULER_NAME, fake_gpu_uuid,
+)
+from kai_isolator.services.devcluster.kubelet import node_object
 from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane, ControlPlaneError, free_port
 from kai_isolator.shared.pki import CertificateAuthority
 
@@ -186,3 +191,119 @@ def real_admission(plane: ControlPlane, workdir: Path, hamicore: bool) -> Iterat
     finally:
         kai.unregister()
         kai.stop()
+
+
+# --- KAI's scheduler, binder and podgrouper ----------------------------------------------------------------------
+
+CRDS = Path("deployments") / "kai-scheduler" / "crds"
+RESERVATION_NAMESPACE = "kai-resource-reservation"
+GPU_INDEX_ANNOTATION = "run.ai/reserve_for_gpu_index"  # what the reservation pod's resourcereservation binary writes
+
+
+def operator_binder_args(*, hamicore: bool = True) -> list[str]:
+    """The binder's arguments from KAI's operator (operands/binder buildArgsList) for the seed's install, ports aside."""
+    plugins = {"gpusharing": {"enabled": True}, "hamicore": {"enabled": hamicore}}
+    return ["--scheduler-name", SCHEDULER_NAME, "--resource-reservation-namespace", RESERVATION_NAMESPACE,
+            "--resource-reservation-service-account", RESERVATION_NAMESPACE, "--resource-reservation-app-label", RESERVATION_NAMESPACE,
+            "--plugins", json.dumps(plugins)]
+
+
+class RealKaiScheduling:
+    """KAI's podgrouper, scheduler (its built-in default configuration) and binder as processes on `plane`, with what
+    KAI's chart installs first (its CRDs, the default queues) and what a cluster's controllers would do that this
+    plane lacks: each namespace's `kube-root-ca.crt`, a new node's not-ready taint lifted. A reservation pod is bound
+    to a simulated node where nothing runs it: `serve_reservations` does what its container does through NVML, writing
+    its GPU's UUID on it."""
+
+    def __init__(self, plane: ControlPlane, workdir: Path, source_tree: Path) -> None:
+        self.plane, self.workdir, self.source_tree = plane, workdir, source_tree
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._stop = threading.Event()
+        self._reserver: threading.Thread | None = None
+        self.started_s = 0.0
+
+    def install(self, namespaces: list[str]) -> None:
+        self.plane.kubectl("apply", "--server-side", "-f", str(self.source_tree / CRDS))
+        deadline = time.monotonic() + 30
+        while True:  # established, and served: a create right after can still meet a 404 otherwise
+            with contextlib.suppress(ApiCallError):
+                self.plane.request("GET", "/apis/scheduling.run.ai/v2/queues")
+                self.plane.request("GET", "/apis/scheduling.run.ai/v1alpha2/bindrequests")
+                break
+            if time.monotonic() > deadline:
+                raise ControlPlaneError("KAI's CRDs are not served 30 s after they were applied")
+            time.sleep(0.2)
+        unlimited = {r: {"quota": -1, "limit": -1, "overQuotaWeight": 1} for r in ("cpu", "gpu", "memory")}
+        for name, parent in (("default-parent-queue", None), ("default-queue", "default-parent-queue")):
+            spec: Obj = {"resources": unlimited, **({"parentQueue": parent} if parent else {})}
+            with contextlib.suppress(ApiCallError):
+                self.plane.request("POST", "/apis/scheduling.run.ai/v2/queues",
+                                   {"apiVersion": "scheduling.run.ai/v2", "kind": "Queue", "metadata": {"name": name}, "spec": spec})
+        ca = self.plane.workdir.joinpath("ca.crt").read_text()
+        for namespace in [*namespaces, RESERVATION_NAMESPACE]:
+            ensure_namespace(self.plane, namespace)
+            with contextlib.suppress(ApiCallError):
+                self.plane.request("POST", f"/api/v1/namespaces/{namespace}/configmaps",
+                                   {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "kube-root-ca.crt"}, "data": {"ca.crt": ca}})
+        with contextlib.suppress(ApiCallError):
+            self.plane.request("POST", f"/api/v1/namespaces/{RESERVATION_NAMESPACE}/serviceaccounts",
+                               {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": RESERVATION_NAMESPACE}})
+
+    def add_node(self, name: str, labels: dict[str, str]) -> None:
+        node = node_object(name, 15360)
+        status = node.pop("status")
+        node["metadata"]["labels"] = {**{k: v for k, v in node["metadata"]["labels"].items() if k != GPU_MEMORY_LABEL}, **labels}
+        self.plane.request("POST", "/api/v1/nodes", node)
+        self.plane.request("PATCH", f"/api/v1/nodes/{name}/status", {"status": status}, content_type="application/merge-patch+json")
+        self.plane.request("PATCH", f"/api/v1/nodes/{name}", {"spec": {"taints": None}}, content_type="application/merge-patch+json")
+
+    def start(self, *, hamicore: bool = True) -> RealKaiScheduling:
+        binaries = ensure_kai(("podgrouper", "scheduler", "binder"))
+        kubeconfig = str(self.plane.admin_kubeconfig)
+        started = time.monotonic()
+        self._spawn("podgrouper", [str(binaries / "podgrouper"), f"-health-probe-bind-address=127.0.0.1:{free_port()}",
+                                   "-metrics-bind-address=0", f"-kubeconfig={kubeconfig}"])
+        self._spawn("scheduler", [str(binaries / "scheduler"), f"--scheduler-name={SCHEDULER_NAME}", f"--namespace={KAI_NAMESPACE}",
+                                  f"--listen-address=127.0.0.1:{free_port()}", f"--plugin-server-port={free_port()}",
+                                  f"--profiler-port={free_port()}"])
+        self._spawn("binder", [str(binaries / "binder"), *operator_binder_args(hamicore=hamicore),
+                               "--health-probe-bind-address", f"127.0.0.1:{free_port()}", "--metrics-bind-address", "0",
+                               f"--kubeconfig={kubeconfig}"])
+        self.started_s = time.monotonic() - started
+        self._reserver = threading.Thread(target=self._serve_reservations, daemon=True)
+        self._reserver.start()
+        return self
+
+    def _spawn(self, name: str, command: list[str]) -> None:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - the process keeps it
+        # The scheduler takes its kubeconfig from KUBECONFIG only (it has no --kubeconfig flag).
+        self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                                env={**os.environ, "KUBECONFIG": str(self.plane.admin_kubeconfig)})
+
+    def _serve_reservations(self) -> None:
+        while not self._stop.wait(0.1):
+            with contextlib.suppress(ApiCallError, OSError):
+                for pod in self.plane.request("GET", f"/api/v1/namespaces/{RESERVATION_NAMESPACE}/pods")["items"]:
+                    if pod["spec"].get("nodeName") and GPU_INDEX_ANNOTATION not in (pod["metadata"].get("annotations") or {}):
+                        self.plane.request("PATCH", f"/api/v1/namespaces/{RESERVATION_NAMESPACE}/pods/{pod['metadata']['name']}",
+                                           {"metadata": {"annotations": {GPU_INDEX_ANNOTATION: fake_gpu_uuid(0)}}},
+                                           content_type="application/merge-patch+json")
+
+    def check_alive(self) -> None:
+        for name, process in self.processes.items():
+            if process.poll() is not None:
+                raise ControlPlaneError(f"KAI's {name} exited {process.returncode}: see {self.workdir / (name + '.log')}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._reserver is not None:
+            self._reserver.join(timeout=5)
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
