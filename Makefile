@@ -29,7 +29,9 @@ $(abspath $(CUDA_WHEEL_DIR))/nvidia/cu13/include/cuda.h: | $(STAMP)
 hami-core: $(CUDA_HEADERS)
 	$(MAKE) -C hami-core CUDA_HOME=$(CUDA_HOME)
 
-test: $(STAMP) hami-core contract-tools control-plane real-node
+# tests/kai runs these of KAI-Scheduler's programs (a target-specific value: `kai` below builds only them for `test`).
+test: KAI_PROGRAMS = admission scheduler binder podgrouper
+test: $(STAMP) hami-core contract-tools control-plane real-node kai
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The event contract (docs/events): regenerate it from the code; build its validator and example subscribers.
