@@ -15,6 +15,8 @@ from kai_isolator.services.devcluster.plane import ControlPlane
 from kai.real_kai import TENANT, RealKaiAdmission, RealKaiScheduling, ensure_namespace, ensure_runtime_class, real_admission
 
 T4_NODE = "gpu-node-1"
+# A T4, a 16384 MiB card (where PR #2041 changes the rounding) and a node without the memory label (PR #2157).
+NODES = {T4_NODE: {GPU_MEMORY_LABEL: "15360"}, "card-16384": {GPU_MEMORY_LABEL: "16384"}, "unlabelled": {}}
 
 
 @pytest.fixture(scope="session")
@@ -42,10 +44,11 @@ def kai_source_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def kai_scheduling(kai_plane: ControlPlane, seed_kai: RealKaiAdmission, kai_source_tree: Path,
                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealKaiScheduling]:
-    """KAI's podgrouper, scheduler and binder (seed flags) beside the seed admission, and one simulated T4 node."""
+    """KAI's podgrouper, scheduler and binder (seed flags) beside the seed admission, and the simulated nodes of NODES."""
     scheduling = RealKaiScheduling(kai_plane, tmp_path_factory.mktemp("kai-scheduling"), kai_source_tree)
     scheduling.install([TENANT])
-    scheduling.add_node(T4_NODE, {GPU_MEMORY_LABEL: "15360"})
+    for name, labels in NODES.items():
+        scheduling.add_node(name, labels)
     scheduling.start()
     try:
         yield scheduling

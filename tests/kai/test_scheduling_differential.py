@@ -17,16 +17,16 @@ from kai_isolator.services.devcluster.kai import (
     node_gpu_memory_mib,
 )
 from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane
-from kai.conftest import T4_NODE
+from kai.conftest import NODES, T4_NODE
 from kai.real_kai import TENANT, RealKaiScheduling
 
 pytestmark = pytest.mark.timeout(900)  # the first run builds KAI's scheduler, binder and podgrouper (minutes)
 Obj = dict[str, Any]
-LABELS = {GPU_MEMORY_LABEL: "15360"}
 
 
-def kai_pod(name: str, inits: tuple[str, ...] = (), **annotations: str) -> Obj:
-    spec: Obj = {"schedulerName": "kai-scheduler", "containers": [{"name": "main", "image": "busybox"}]}
+def kai_pod(name: str, inits: tuple[str, ...] = (), node: str = T4_NODE, **annotations: str) -> Obj:
+    spec: Obj = {"schedulerName": "kai-scheduler", "containers": [{"name": "main", "image": "busybox"}],
+                 "nodeSelector": {"kubernetes.io/hostname": node}}
     if inits:
         spec["initContainers"] = [{"name": n, "image": "busybox"} for n in inits]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "annotations": annotations}, "spec": spec}
@@ -53,8 +53,9 @@ def configmaps_of(plane: ControlPlane, pod: Obj) -> list[Obj]:
 
 
 def simulated_configmaps(pod: Obj) -> list[Obj]:
-    portion = gpu_portion(pod["metadata"]["annotations"], node_gpu_memory_mib(LABELS[GPU_MEMORY_LABEL]))
-    made = binder_configmaps(pod, LABELS, portion, [fake_gpu_uuid(0)])
+    labels = NODES[pod["spec"]["nodeName"]]
+    portion = gpu_portion(pod["metadata"]["annotations"], node_gpu_memory_mib(labels.get(GPU_MEMORY_LABEL)))
+    made = binder_configmaps(pod, labels, portion, [fake_gpu_uuid(0)])
     return sorted(({"name": c["metadata"]["name"], "data": c.get("data") or {}, "owners": c["metadata"]["ownerReferences"]} for c in made),
                   key=lambda c: str(c["name"]))
 
@@ -72,7 +73,16 @@ CASES = {
     "the seed's gpu-memory 4096": kai_pod("seed", **{"gpu-memory": "4096"}),
     "gpu-fraction 0.5": kai_pod("half", **{"gpu-fraction": "0.5"}),
     "an init-container target": kai_pod("init", inits=("setup",), **{"gpu-fraction": "0.25", "gpu-fraction-container-name": "setup"}),
+    # This KAI is from before PR #2041: 4096 of 16384 MiB is planned on 16300, so 0.26 and 4259m.
+    "gpu-memory 4096 on a 16384 MiB card": kai_pod("card-16384", node="card-16384", **{"gpu-memory": "4096"}),
+    # and from before PR #2157: with no memory label it binds a fraction and writes no limit.
+    "gpu-fraction 0.5 without a memory label": kai_pod("unlabelled", node="unlabelled", **{"gpu-fraction": "0.5"}),
 }
+
+# What the real binder writes, spelt out: (GPU_PORTION, CUDA_DEVICE_MEMORY_LIMIT or None).
+WRITTEN = {"the seed's gpu-memory 4096": ("0.27", "4147m"), "gpu-fraction 0.5": ("0.50", "7680m"),
+           "an init-container target": ("0.25", "3840m"), "gpu-memory 4096 on a 16384 MiB card": ("0.26", "4259m"),
+           "gpu-fraction 0.5 without a memory label": ("0.50", None)}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -81,8 +91,11 @@ def test_the_binder_writes_what_the_simulation_writes(kai_plane: ControlPlane, k
     kai_plane.request("POST", f"/api/v1/namespaces/{TENANT}/pods", body)
     try:
         pod = bound(kai_plane, kai_scheduling, body["metadata"]["name"])
-        assert pod["spec"]["nodeName"] == T4_NODE
-        assert configmaps_of(kai_plane, pod) == simulated_configmaps(pod)
+        assert pod["spec"]["nodeName"] == body["spec"]["nodeSelector"]["kubernetes.io/hostname"]
+        real = configmaps_of(kai_plane, pod)
+        assert real == simulated_configmaps(pod)
+        capabilities = real[0]["data"]
+        assert (capabilities["GPU_PORTION"], capabilities.get("CUDA_DEVICE_MEMORY_LIMIT")) == WRITTEN[case]
         assert pod["metadata"]["annotations"][RECEIVED_TYPE_ANNOTATION] == "Fraction"
         uuid.UUID(pod["metadata"]["labels"][GPU_GROUP_LABEL])  # a GPU group is named by a UUID, as the simulation's are
     finally:
