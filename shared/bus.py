@@ -315,6 +315,11 @@ class Runtime:
 
     async def _retry_or_dead_letter(self, binding: EventBinding, msg: Msg, deliveries: int, error: Exception) -> None:
         reason = f"{type(error).__name__}: {error}"
+        if deliveries >= self.settings.max_deliver and isinstance(error, NotYet):
+            log.info("still not ready; left to the handler's own later look", extra={
+                "consumer": binding.durable, "deliveries": deliveries, "why": str(error)})
+            await self._settle(msg.ack(), binding, "handed_over")
+            return
         if deliveries >= self.settings.max_deliver:
             await self._dead_letter(binding, msg, f"handler failed {deliveries} times; last: {reason}")
             return

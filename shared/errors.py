@@ -6,7 +6,11 @@ class IsolatorError(Exception):
 
 
 class NotYet(IsolatorError):
-    """An expected "not yet" (a container still starting, say): the work is retried later, and it is no failure."""
+    """An expected "not yet" (a container still starting, say): the work is retried later, and it is no failure.
+
+    Raise it only where a later look is arranged already (the verifier's passes revisit every pod without a
+    verdict): one that outlasts its deliveries is acknowledged as handed over to that look, never dead-lettered.
+    """
 
 
 class ConfigError(IsolatorError):

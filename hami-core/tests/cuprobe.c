@@ -174,8 +174,8 @@ static void print_fake(int dev) {
         printf("fake %d unavailable\n", dev);
         return;
     }
-    printf("fake %d used=%llu peak=%llu allocs=%llu frees=%llu bad_frees=%llu total=%llu\n", dev, s.used, s.peak,
-           s.allocs, s.frees, s.bad_frees, s.total);
+    printf("fake %d used=%llu peak=%llu allocs=%llu frees=%llu bad_frees=%llu total=%llu reserved=%llu\n", dev, s.used,
+           s.peak, s.allocs, s.frees, s.bad_frees, s.total, s.reserved);
 }
 
 static void print_procaddr(const char *name, int version, cuuint64_t flags) {
@@ -342,7 +342,13 @@ static void cmd_crashstate(unsigned long long extra) {
     int fd = path ? open(path, O_RDWR | O_CLOEXEC) : -1;
     struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_len = sizeof(struct vgpu_shm_header)}; /* the structural lock */
     struct vgpu_shm_file *f = NULL;
-    if (fd >= 0 && fcntl(fd, F_OFD_SETLKW, &fl) == 0) {
+    /* Polled for at most 10 s, never waited on: a lock someone never releases ends the probe with slot=-1. */
+    int locked = -1;
+    for (int tries = 0; fd >= 0 && locked != 0 && tries < 1000; tries++) {
+        locked = fcntl(fd, F_OFD_SETLK, &fl);
+        if (locked != 0) nanosleep(&(struct timespec){.tv_nsec = 10000000}, NULL);
+    }
+    if (locked == 0) {
         void *p = mmap(NULL, sizeof *f, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         f = p == MAP_FAILED ? NULL : p;
     }

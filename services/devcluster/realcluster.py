@@ -85,10 +85,13 @@ class RealNodeCluster:
         plane.write_kubeconfig(self.workdir / "kubelet.kubeconfig", NODE_NAME, {"client-certificate": str(cert), "client-key": str(key)})
         await self._timed("controller-manager and scheduler", asyncio.to_thread(self._start_controllers, binaries))
         await self._timed("node daemons", asyncio.to_thread(self.node.start_daemons))
+        self.node.spawn("fake-gpu", self.gpu.ledger_command())  # the GPU's books, before any container can reach it
+        await self._timed("fake GPU ledger", asyncio.to_thread(self.node.wait_for_path, "fake-gpu", self.gpu.ledger_socket))
         self.node.spawn("device-plugin", self.gpu.device_plugin_command())
         await self._timed("node ready", self._until_ready())
         await self._timed("service network", asyncio.to_thread(self._start_service_network, binaries))
-        await self.cluster.request("POST", "/apis/node.k8s.io/v1/runtimeclasses", self.gpu.runtime_class())
+        runtime_class = self.gpu.runtime_class()
+        await self.cluster.ensure_runtime_class(runtime_class["metadata"]["name"], runtime_class["handler"])
         assert self.cluster.scheduler is not None
         self.cluster.scheduler.only_kai_pods = True
         self.cluster.scheduler.nodes[NODE_NAME] = GPU_MEMORY_MIB

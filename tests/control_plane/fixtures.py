@@ -8,7 +8,6 @@ services' integration tests run on. Registered from tests/conftest.py; nothing s
 from __future__ import annotations
 
 import atexit
-import contextlib
 import itertools
 import sys
 import time
@@ -22,6 +21,7 @@ import yaml
 from kai_isolator.services.devcluster.build import Binaries, BuildError, ensure_all
 from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.services.devcluster.plane import ControlPlane, ControlPlaneError
+from support import build_before_tests
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "deploy" / "kustomize" / "base"
@@ -32,15 +32,9 @@ _built: list[Binaries | BuildError] = []
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Build what the cache lacks before any test runs: outside every test's timeout, its progress on the terminal."""
-    if not any({"control_plane", "dev_plane"} & set(getattr(item, "fixturenames", ())) for item in items):
-        return
-    capture = config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-        try:
-            _built.append(ensure_all(sys.stderr))
-        except BuildError as error:
-            _built.append(error)  # the tests that need it fail with this; the rest of the suite still runs
+    built = build_before_tests(config, items, {"control_plane", "dev_plane"}, lambda: ensure_all(sys.stderr), BuildError)
+    if built is not None:
+        _built.append(built)
 
 
 def _session_plane(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[ControlPlane]:

@@ -18,21 +18,17 @@ from kai_isolator.services.devcluster.build import BuildError, ensure_node
 from kai_isolator.services.devcluster.oci import image_archive, with_libraries
 from kai_isolator.services.devcluster.realcluster import RealNodeCluster
 from real_node_support import CUDA_IMAGE, HAMI_BUILD, LoopThread, Node
+from support import build_before_tests
 
 START_TIMEOUT_S = 300.0
 _built: list[object] = []
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Build the node's programs before any test runs (outside every test's timeout), as the control plane's are."""
-    if not any("real_node" in getattr(item, "fixturenames", ()) for item in items):
-        return
-    capture = config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-        try:
-            _built.append(ensure_node(sys.stderr))
-        except BuildError as error:
-            _built.append(error)
+    """Build the node's programs before any test runs, as the control plane's are."""
+    built = build_before_tests(config, items, {"real_node"}, lambda: ensure_node(sys.stderr), BuildError)
+    if built is not None:
+        _built.append(built)
 
 
 @pytest.fixture(scope="session")

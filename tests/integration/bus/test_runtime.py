@@ -118,6 +118,29 @@ async def test_a_handler_not_ready_yet_is_retried_without_a_warning_and_a_failur
     ]
 
 
+async def test_not_yet_past_its_deliveries_is_handed_over_not_dead_lettered(start_runtime: RuntimeFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """A container slower to start than the deliveries last is normal: the verifier's passes look again, so
+    the bus acknowledges it at info instead of raising the dead-letter alarm. A real failure still dead-letters."""
+    attempts: list[str] = []
+
+    async def never_ready(event: PodIsolation) -> None:
+        attempts.append(event.pod.name)
+        if event.pod.name == "slow":
+            raise NotYet("the container has not started")
+        raise ValueError("a bug")
+
+    caplog.set_level(logging.INFO, logger="kai_isolator.shared.bus")
+    runtime = await start_runtime("svc", lambda r: r.on_event("pods", subjects.ALL_PODS, never_ready))
+    await runtime.publish(pod_event("slow"))
+    await runtime.publish(pod_event("broken"))
+    [letter] = await dead_letters(runtime, "svc", 1)
+    await eventually(lambda: runtime.metrics.handled.labels("svc-pods", "handed_over")._value.get() == 1)
+    assert attempts.count("slow") == 3 == attempts.count("broken")
+    assert "broken" in letter.original_subject
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "slow" in str(getattr(r, "why", ""))]
+    assert any(r.getMessage() == "still not ready; left to the handler's own later look" for r in caplog.records)
+
+
 async def test_message_that_keeps_failing_lands_on_the_dead_letter_subject(start_runtime: RuntimeFactory) -> None:
     attempts = 0
 
