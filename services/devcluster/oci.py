@@ -123,7 +123,8 @@ def docker_archive(tag: str, cache: Path, env: Mapping[str, str]) -> Path:
     if done.returncode != 0:
         raise ImageError(f"no image {tag} in the Docker engine (run `make images`): {done.stderr.strip()}")
     image_id = done.stdout.strip().removeprefix("sha256:")[:16]
-    archive = cache / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', tag)}-{image_id}.tar"
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", tag)
+    archive = cache / f"{stem}-{image_id}.tar"
     if not archive.is_file():
         cache.mkdir(parents=True, exist_ok=True)
         partial = archive.with_name(f".{archive.name}-{os.getpid()}")
@@ -132,4 +133,7 @@ def docker_archive(tag: str, cache: Path, env: Mapping[str, str]) -> Path:
             partial.unlink(missing_ok=True)
             raise ImageError(f"docker save {tag} exited {saved.returncode}: {saved.stderr.strip()}")
         partial.replace(archive)
+        for stale in cache.glob(f"{stem}-*.tar"):  # the tag's earlier builds
+            if stale != archive:
+                stale.unlink(missing_ok=True)
     return archive

@@ -191,7 +191,7 @@ def test_helm_upgrade_to_a_new_library_leaves_running_pods_alone(release: Node, 
     assert old in node.kubectl("exec", "before-upgrade", "--", "cat", "/proc/1/maps")
 
     version = next_library_image(tmp_path)
-    import_docker_images(node, (NEXT_NODEAGENT,), Path.home() / ".cache" / "kai-isolator" / "node-images")
+    import_docker_images(node, (NEXT_NODEAGENT,), tmp_path)  # a new image id each run: not worth a cache entry
     started = time.monotonic()
     helm(node, "upgrade", RELEASE, str(CHART), "-n", NAMESPACE, "--reuse-values", "--set", "nodeAgent.image.tag=next",
          "--set", f"installer.rollout.version={version}", "--wait", "--timeout", INSTALL_TIMEOUT, timeout_s=360)
