@@ -11,9 +11,10 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from deploy.deploy_tools import helm_binary
+from kai_isolator.services.devcluster import images
 from kai_isolator.services.devcluster.images import docker_env
 from kai_isolator.services.devcluster.oci import docker_archive
 from kai_isolator.services.devcluster.plane import ControlPlane
@@ -101,6 +102,15 @@ CHART_VALUES = {"image.registry": "", "image.repository": "kai-isolator", "image
                 "nodeAgent.image.registry": "", "nodeAgent.image.repository": "kai-isolator-nodeagent", "nodeAgent.image.tag": "dev",
                 "nats.enabled": "true"}
 NATS_UID = 1000  # the chart's NATS runs as 1000 with fsGroup 1000, which a hostPath volume does not apply
+
+
+def build_chart_images(log: TextIO) -> None:
+    """The chart's images built from this tree, so no test installs an image of older code; Docker's layer cache makes
+    an unchanged tree cost seconds (the compose suite has built the same images already in a full run)."""
+    kube_builder = images.ensure_prerequisites(log)
+    for image in images.PROJECT_IMAGES:
+        if image.tag in CHART_IMAGES:
+            images.build_image(image, kube_builder, log)
 
 
 def import_docker_images(node: Node, tags: tuple[str, ...], cache: Path) -> dict[str, float]:

@@ -19,7 +19,7 @@ Built = TypeVar("Built")
 
 
 def build_before_tests(config: pytest.Config, items: list[pytest.Item], fixtures: set[str], build: Callable[[], Built],
-                       failure: type[Exception]) -> Built | Exception | None:
+                       failure: type[Exception] | tuple[type[Exception], ...]) -> Built | Exception | None:
     """Build what tests using `fixtures` need once, before any runs: outside every test's timeout, progress on the terminal.
 
     A build failure is returned, not raised: the tests that need it fail with it, the rest of the suite still runs.

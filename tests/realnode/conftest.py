@@ -15,13 +15,17 @@ from pathlib import Path
 import pytest
 
 from kai_isolator.services.devcluster.build import BuildError, ensure_node
+from kai_isolator.services.devcluster.images import ImageError
 from kai_isolator.services.devcluster.oci import image_archive, with_libraries
 from kai_isolator.services.devcluster.realcluster import RealNodeCluster
-from real_node_support import CUDA_IMAGE, HAMI_BUILD, LoopThread, Node
+from real_node_support import CUDA_IMAGE, HAMI_BUILD, LoopThread, Node, build_chart_images
 from support import build_before_tests
 
 START_TIMEOUT_S = 300.0
+CHART_FIXTURES = {"chart_images"}
+"""What the fixtures that install the chart or the dev overlay ask for: the images of this tree."""
 _built: list[object] = []
+_chart_failed: list[Exception] = []
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -29,6 +33,16 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     built = build_before_tests(config, items, {"real_node"}, lambda: ensure_node(sys.stderr), BuildError)
     if built is not None:
         _built.append(built)
+    chart = build_before_tests(config, items, CHART_FIXTURES, lambda: build_chart_images(sys.stderr), (ImageError, BuildError))
+    if isinstance(chart, Exception):
+        _chart_failed.append(chart)
+
+
+@pytest.fixture(scope="session")
+def chart_images() -> None:
+    """The chart's images of this tree are in the Docker engine (built before the tests ran)."""
+    if _chart_failed:
+        raise _chart_failed[0]
 
 
 @pytest.fixture(scope="session")

@@ -52,7 +52,7 @@ def _pods_of_each_test_go(real_node: Node) -> None:
 
 
 @pytest.fixture(scope="module")
-def release(real_node_session: Node, cuda_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+def release(real_node_session: Node, chart_images: None, cuda_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     """The chart installed once for this module (`helm install --wait`), uninstalled after it unless a test did."""
     node = real_node_session
     images = import_docker_images(node, CHART_IMAGES, Path.home() / ".cache" / "kai-isolator" / "node-images")

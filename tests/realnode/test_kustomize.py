@@ -25,7 +25,7 @@ def _pods_of_each_test_go(real_node: Node) -> None:
 
 
 @pytest.fixture(scope="module")
-def applied(real_node_session: Node) -> Iterator[Node]:
+def applied(real_node_session: Node, chart_images: None) -> Iterator[Node]:
     node = real_node_session
     import_docker_images(node, CHART_IMAGES, Path.home() / ".cache" / "kai-isolator" / "node-images")
     nats_volume(node, NATS_VOLUME)
