@@ -276,6 +276,16 @@ def other_env_section(roots: Sequence[Path], base: Path = PACKAGE_ROOT) -> list[
     return [*lines, ""]
 
 
+def prefixes(classes: list[type[BaseSettings]]) -> list[str]:
+    """One line saying which prefix each settings model reads its variables under."""
+    by_prefix: dict[str, list[str]] = {}
+    for cls in classes:
+        by_prefix.setdefault(str(cls.model_config.get("env_prefix", "")), []).append(cls.__name__)
+    spelled = "; ".join(f"`{prefix}<FIELD>` for {', '.join(names)}" for prefix, names in by_prefix.items())
+    return [f"Variable names are the field's name in capitals under its model's prefix: {spelled} (e.g. "
+            "`KAI_ISOLATOR_VERIFIER_REVERIFY_S=300`). `kai-isolator <command> --help` lists the flags.", ""]
+
+
 def variable_names() -> set[str]:
     """Every environment variable the page documents."""
     return {env_name(cls, field) for cls in settings_classes() for field in cls.model_fields} | set(OTHER_ENV)
@@ -286,7 +296,7 @@ def render() -> str:
     classes = settings_classes()
     found = commands()
     users = settings_users(found)
-    lines = [HEADER.format(regenerate=REGENERATE), "## Environment variables, by settings model", ""]
+    lines = [HEADER.format(regenerate=REGENERATE), *prefixes(classes), "## Environment variables, by settings model", ""]
     for cls in classes:
         lines += settings_section(cls, users)
     lines += ["## Flags, by command", "",
