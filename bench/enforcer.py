@@ -28,11 +28,11 @@ from kai_isolator.services.nodeagent.grants import write_grant
 from kai_isolator.services.nodeagent.nvml import Nvml
 from kai_isolator.services.nodeagent.settings import NodeAgentSettings
 from kai_isolator.shared.events import Breach
+from kai_isolator.shared.fake_gpu import FakeGpu
 from kai_isolator.shared.grant import DeviceGrant, Grant, GrantSource
 
 REPO = Path(__file__).resolve().parent.parent
 HAMI = REPO / "hami-core"
-FAKE = HAMI / "build" / "fake"
 RAWELF = HAMI / "build" / "tests" / "rawelf"
 FANOUT = HAMI / "build" / "tests" / "fanout"
 UUID0 = "GPU-0000fa4e-1111-2222-3333-000000000000"
@@ -52,10 +52,10 @@ class Node:
 
     def __init__(self, workdir: Path) -> None:
         self.grant_root = workdir / "grants"
+        self.gpu = FakeGpu(workdir / "nvidia-driver")  # the node's fake GPU: its ledger beside the libraries
         self.placement = CgroupPlacement(prefix=f"kai-bench-{uuid.uuid4().hex[:8]}")
         self.pods: dict[str, dict[str, object]] = {}
-        self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LD_LIBRARY_PATH": str(FAKE),
-                    "FAKE_CUDA_STATE": str(workdir / "ledger")}
+        self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LD_LIBRARY_PATH": str(self.gpu.folder)}
 
     def container(self, name: str, limit: int) -> list[Path]:
         uid, cid = str(uuid.uuid4()), new_container_id()
@@ -198,8 +198,8 @@ async def main() -> int:
     subprocess.run(["make", "-s", "-C", str(HAMI)], check=True)
     with tempfile.TemporaryDirectory(prefix="kai-bench-enforcer-") as tmp:
         node = Node(Path(tmp))
-        os.environ.update({k: v for k, v in node.env.items() if k.startswith("FAKE_")})
-        reader = Nvml(str(FAKE / "libnvidia-ml.so.1"))
+        node.gpu.start()
+        reader = Nvml(str(node.gpu.nvml))
         try:
             print(f"shipped defaults: interval {INTERVAL_S:g} s (each gap drawn from 0.5-1.5x), allowance {ALLOWANCE >> 20} MiB per container")
             p99: dict[str, float] = {}
@@ -228,6 +228,7 @@ async def main() -> int:
             print(f"agent memory: peak RSS of this enforcer process {rss:.1f} MiB (Python, ctypes NVML, state for 1,000 processes)")
         finally:
             await asyncio.to_thread(node.placement.remove)
+            node.gpu.stop()
     return 0
 
 

@@ -4,12 +4,11 @@
  * base name, requested version and stream flags as the real driver does. */
 #define _GNU_SOURCE
 #include <errno.h>
-#include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
-#include <sys/mman.h>
+#include <elf.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <stdint.h>
@@ -17,6 +16,7 @@
 #include <string.h>
 #include <cuda.h>
 #include "fake_cuda.h"
+#include "fake_ledger.h"
 
 #define EXPORT __attribute__((visibility("default")))
 #define MAX_DEVICES 16
@@ -41,7 +41,9 @@ struct handle {
     struct handle *next;
     uint64_t key;
     uint64_t bytes;
+    uint64_t ticket; /* the node ledger's handle for this charge (0 in-process) */
     int dev;
+    int counted;     /* 1: this process's allocation; 0: an import (another process's memory) */
 };
 
 struct shard {
@@ -52,26 +54,6 @@ struct shard {
 static struct device local_devices[MAX_DEVICES + 1]; /* the last one counts host VMM memory */
 static struct device *devices = local_devices;
 #define HOST_SLOT MAX_DEVICES
-
-/* Cross-process mode (FAKE_CUDA_STATE): what each live process holds, so the memory of a
- * process that died is released, as the real driver does at process teardown. */
-struct shared_proc {
-    int pid;
-    int pad;
-    unsigned long long start;
-    unsigned long long used[MAX_DEVICES + 1];
-};
-
-struct shared_state {
-    struct device devices[MAX_DEVICES + 1]; /* used = sum over live processes */
-    struct shared_proc procs[SHARED_PROCS];
-};
-
-static struct shared_state *shared;
-static int shared_fd = -1;
-static struct shared_proc *me;
-static char shared_path[4096];
-static pthread_mutex_t shared_mutex = PTHREAD_MUTEX_INITIALIZER;
 static struct shard shards[SHARDS] = {[0 ... SHARDS - 1] = {.lock = PTHREAD_MUTEX_INITIALIZER}};
 static _Atomic unsigned long long bad_frees;
 static _Atomic uint64_t next_address = 0x7f0000000000ull;
@@ -90,114 +72,6 @@ static long env_long(const char *name, long fallback, long lo, long hi) {
     return text && (*end || end == text || v < lo || v > hi) ? fallback : v;
 }
 
-static void forget_after_fork(void);
-
-/* FAKE_CUDA_STATE=<file>: device memory is shared by every process using that file. */
-static void map_shared_state(void) {
-    const char *path = getenv("FAKE_CUDA_STATE");
-    if (!path || !*path || strlen(path) >= sizeof shared_path) return;
-    strcpy(shared_path, path);
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-    if (fd < 0) return;
-    struct stat st;
-    if (fstat(fd, &st) == 0 && (st.st_size == (off_t)sizeof *shared || ftruncate(fd, sizeof *shared) == 0)) {
-        void *p = mmap(NULL, sizeof *shared, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        if (p != MAP_FAILED) {
-            shared = p;
-            devices = shared->devices;
-            shared_fd = fd;
-            pthread_atfork(NULL, NULL, forget_after_fork);
-            return;
-        }
-    }
-    close(fd);
-}
-
-/* OFD lock on the state file's device counters (dropped by the kernel if the holder dies)
- * plus a mutex, because threads of one process share the open file description. */
-static void shared_lock(int type) {
-    struct flock fl = {.l_type = (short)type, .l_whence = SEEK_SET, .l_len = offsetof(struct shared_state, procs)};
-    if (type == F_WRLCK) pthread_mutex_lock(&shared_mutex);
-    while (fcntl(shared_fd, F_OFD_SETLKW, &fl) == -1 && errno == EINTR) {
-    }
-    if (type == F_UNLCK) pthread_mutex_unlock(&shared_mutex);
-}
-
-/* Each process holds an OFD lock on its own record for its whole life; the kernel drops it
- * when the process dies (or execs: the fd is O_CLOEXEC), as the real driver tears the
- * process's memory down. PID visibility plays no part, so a process in another PID
- * namespace can neither be mistaken for dead nor mistake others for dead. */
-static struct flock proc_range(const struct shared_proc *proc, short type) {
-    return (struct flock){.l_type = type, .l_whence = SEEK_SET,
-                          .l_start = (off_t)((const char *)proc - (const char *)shared), .l_len = sizeof *proc};
-}
-
-static int alive(const struct shared_proc *proc) {
-    struct flock fl = proc_range(proc, F_WRLCK);
-    return fcntl(shared_fd, F_OFD_GETLK, &fl) != 0 || fl.l_type != F_UNLCK;
-}
-
-/* Under the lock: drop dead processes and recompute every device's used bytes. */
-static void reap(void) {
-    unsigned long long sums[MAX_DEVICES + 1] = {0};
-    for (int i = 0; i < SHARED_PROCS; i++) {
-        struct shared_proc *p = &shared->procs[i];
-        if (!p->pid) continue;
-        if (p != me && !alive(p)) {
-            memset(p, 0, sizeof *p);
-            continue;
-        }
-        for (int d = 0; d <= MAX_DEVICES; d++) sums[d] += p->used[d];
-    }
-    for (int d = 0; d <= MAX_DEVICES; d++) atomic_store(&shared->devices[d].used, sums[d]);
-}
-
-/* Under the lock, after reap(): the image we exec'd from is already gone (its lock went). */
-static struct shared_proc *claim_proc(void) {
-    for (int i = 0; i < SHARED_PROCS; i++) {
-        struct shared_proc *p = &shared->procs[i];
-        struct flock fl = proc_range(p, F_WRLCK);
-        if (p->pid || fcntl(shared_fd, F_OFD_SETLK, &fl) != 0) continue;
-        memset(p, 0, sizeof *p);
-        p->pid = getpid();
-        return p;
-    }
-    return NULL;
-}
-
-static CUresult shared_charge(struct device *d, int dev, uint64_t bytes) {
-    CUresult rc = CUDA_ERROR_OUT_OF_MEMORY;
-    shared_lock(F_WRLCK);
-    reap();
-    if (!me) me = claim_proc();
-    unsigned long long used = atomic_load(&d->used);
-    if (me && bytes <= device_total - used) {
-        me->used[dev] += bytes;
-        atomic_store(&d->used, used + bytes);
-        if (used + bytes > atomic_load(&d->peak)) atomic_store(&d->peak, used + bytes);
-        rc = CUDA_SUCCESS;
-    }
-    shared_lock(F_UNLCK);
-    return rc;
-}
-
-static void shared_uncharge(int dev, uint64_t bytes) {
-    shared_lock(F_WRLCK);
-    if (me && me->used[dev] >= bytes) {
-        me->used[dev] -= bytes;
-        atomic_fetch_sub(&shared->devices[dev].used, bytes);
-    }
-    shared_lock(F_UNLCK);
-}
-
-static unsigned long long used_now(int dev) {
-    if (!shared) return atomic_load(&devices[dev].used);
-    shared_lock(F_WRLCK);
-    reap();
-    unsigned long long used = atomic_load(&devices[dev].used);
-    shared_lock(F_UNLCK);
-    return used;
-}
 
 /* The UUIDs the fake NVML reports; CUDA accepts any unique prefix of "GPU-<uuid>". */
 static int device_by_uuid_prefix(const char *token, size_t len) {
@@ -211,10 +85,109 @@ static int device_by_uuid_prefix(const char *token, size_t len) {
     return found;
 }
 
+/* Node mode: the books live in the node's fake-gpu ledger (fake_ledger.h, shared/fake_gpu.py), found
+ * next to this library, never through the environment; the ledger decides the card's size and charges
+ * every byte to this process as the kernel names it. Without a ledger beside the library the GPU is this
+ * process's own (the counters above), for tests of one process. */
+static int ledger_fd = -1;     /* this process's connection; -1 before it is made (or after a fork) */
+static int ledger_mode;        /* 0 in-process, 1 node ledger, -1 a ledger that does not answer */
+static pthread_mutex_t ledger_mutex = PTHREAD_MUTEX_INITIALIZER;
+
+static int ledger_connected(void) {
+    if (ledger_fd < 0) ledger_fd = fake_ledger_connect((const void *)fakeCudaStats);
+    return ledger_fd >= 0;
+}
+
+/* One request to the ledger (reconnecting after a fork: the inherited link is the parent's and the
+ * ledger refuses it); CUDA_ERROR_UNKNOWN when the ledger is gone. */
+static CUresult ledger_ask(uint32_t op, int dev, uint64_t a, uint64_t b, fake_ledger_reply *out, int send_fd, int *recv_fd) {
+    fake_ledger_request req = {.op = op, .dev = dev, .a = a, .b = b};
+    pthread_mutex_lock(&ledger_mutex);
+    ssize_t n = ledger_connected() ? fake_ledger_call(ledger_fd, &req, out, sizeof *out, send_fd, recv_fd) : -1;
+    pthread_mutex_unlock(&ledger_mutex);
+    return n < 0 ? CUDA_ERROR_UNKNOWN : (CUresult)out->status;
+}
+
+/* A charge the ledger holds for this process; 0 when it refused. */
+static uint64_t ledger_charge(uint32_t op, int dev, uint64_t a, uint64_t b, CUresult *rc) {
+    fake_ledger_reply r = {0};
+    *rc = ledger_ask(op, dev, a, b, &r, -1, NULL);
+    return *rc == CUDA_SUCCESS ? r.v[0] : 0;
+}
+
+static void ledger_free(uint64_t handle) {
+    fake_ledger_reply r;
+    if (handle) ledger_ask(FAKE_OP_FREE, 0, handle, 0, &r, -1, NULL);
+}
+
+static void forget_after_fork(void);
+
+static void attach_ledger(void) {
+    int fd = fake_ledger_connect((const void *)fakeCudaStats);
+    if (fd == -1) return;
+    ledger_mode = -1;
+    if (fd < 0) return;
+    ledger_fd = fd;
+    fake_ledger_reply r = {0};
+    if (ledger_ask(FAKE_OP_HELLO, 0, 0, 0, &r, -1, NULL) != CUDA_SUCCESS || r.v[0] < 1 || r.v[0] > MAX_DEVICES) return;
+    device_count = (int)r.v[0];
+    device_total = r.v[1];
+    ledger_mode = 1;
+    pthread_atfork(NULL, NULL, forget_after_fork);
+}
+
+/* Device-wide counters: the node ledger's when there is one (v: used, peak, allocs, frees, reserved). */
+static int ledger_stats(int dev, uint64_t v[5]) {
+    fake_ledger_reply r = {0};
+    if (ledger_ask(FAKE_OP_STATS, dev, 0, 0, &r, -1, NULL) != CUDA_SUCCESS) return -1;
+    memcpy(v, r.v, sizeof r.v);
+    return 0;
+}
+
+/* What is taken on `dev`, allocations and the driver's own reservations together (cuMemGetInfo). */
+static unsigned long long used_now(int dev) {
+    uint64_t v[5];
+    if (ledger_mode == 1) return ledger_stats(dev, v) == 0 ? v[0] + v[4] : device_total;
+    return atomic_load(&devices[dev].used);
+}
+
+/* ---- contexts: each charges the node ledger's per-context overhead while it lives ---- */
+
+#define CREATED_CONTEXTS 64
+#define CREATED_BASE 0x1000 /* handles of created contexts; primary ones are physical index + 1 */
+static pthread_mutex_t ctx_mutex = PTHREAD_MUTEX_INITIALIZER;
+static struct { int refs; uint64_t ticket; } primary[MAX_DEVICES];
+static struct { int phys; int live; uint64_t ticket; } created[CREATED_CONTEXTS];
+
+/* A fork child owns none of its parent's contexts (the ledger frees them with the parent). */
+static void forget_contexts(void) {
+    pthread_mutex_init(&ctx_mutex, NULL);
+    memset(primary, 0, sizeof primary);
+    memset(created, 0, sizeof created);
+}
+
+static CUresult context_charge(int phys, uint64_t *ticket) {
+    *ticket = 0;
+    if (ledger_mode < 0) return CUDA_ERROR_NO_DEVICE;
+    if (ledger_mode == 0) return CUDA_SUCCESS;
+    CUresult rc;
+    *ticket = ledger_charge(FAKE_OP_CONTEXT, phys, 0, 0, &rc);
+    return rc;
+}
+
+/* The physical index + 1 a context handle stands for; 0 for no context. */
+static int context_device(uintptr_t v) {
+    if (v >= 1 && v <= MAX_DEVICES) return (int)v;
+    if (v >= CREATED_BASE && v < CREATED_BASE + CREATED_CONTEXTS && created[v - CREATED_BASE].live)
+        return created[v - CREATED_BASE].phys + 1;
+    return 0;
+}
+
+
 static void read_config(void) {
-    map_shared_state();
     device_count = (int)env_long("FAKE_CUDA_DEVICES", 1, 1, MAX_DEVICES);
     device_total = (unsigned long long)env_long("FAKE_CUDA_TOTAL_MIB", 15360, 1, 1L << 30) << 20;
+    attach_ledger(); /* the node ledger's card wins over the environment's */
     const char *cvd = getenv("CUDA_VISIBLE_DEVICES");
     for (const char *p = cvd; p && *p && visible_count < MAX_DEVICES;) {
         size_t len = strcspn(p, ",");
@@ -238,24 +211,17 @@ static int physical(CUdevice ordinal) { return ordinal >= 0 && ordinal < visible
 
 /* ---- handle bookkeeping ---- */
 
-/* A fork child holds no device memory and must take its own lock (the inherited open file
- * description is the parent's). */
+/* A fork child holds no device memory and needs its own link to the ledger (the inherited one is the
+ * parent's, which the ledger refuses from any other process). */
 static void forget_after_fork(void) {
     for (int i = 0; i < SHARDS; i++) {
         pthread_mutex_init(&shards[i].lock, NULL);
         memset(shards[i].buckets, 0, sizeof shards[i].buckets);
     }
-    pthread_mutex_init(&shared_mutex, NULL);
-    me = NULL;
-    /* The inherited fd and mapping share the parent's open file description and its record
-     * lock: map a fresh one over the same address so the parent's lock dies with the parent. */
-    int fd = shared ? open(shared_path, O_RDWR | O_CLOEXEC) : -1;
-    if (fd >= 0 && mmap(shared, sizeof *shared, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) != MAP_FAILED) {
-        close(shared_fd);
-        shared_fd = fd;
-    } else if (fd >= 0) {
-        close(fd);
-    }
+    pthread_mutex_init(&ledger_mutex, NULL);
+    if (ledger_fd >= 0) close(ledger_fd);
+    ledger_fd = -1;
+    forget_contexts();
 }
 
 static struct shard *shard_of(uint64_t key, size_t *bucket) {
@@ -264,17 +230,41 @@ static struct shard *shard_of(uint64_t key, size_t *bucket) {
     return &shards[h >> 58];
 }
 
-static void uncharge(int dev, uint64_t bytes) {
-    if (shared)
-        shared_uncharge(dev, bytes);
+static void uncharge(int dev, uint64_t bytes, uint64_t ticket) {
+    if (ledger_mode == 1)
+        ledger_free(ticket);
     else
         atomic_fetch_sub(&devices[dev].used, bytes);
 }
 
+/* Record a charge already made (ticket: the ledger's handle, 0 in-process) under `key`. */
+static CUresult remember(int dev, uint64_t bytes, uint64_t key, uint64_t ticket, int counted) {
+    struct handle *h = malloc(sizeof *h);
+    if (!h) {
+        if (counted) uncharge(dev, bytes, ticket);
+        else ledger_free(ticket);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    size_t b;
+    struct shard *s = shard_of(key, &b);
+    *h = (struct handle){.key = key, .bytes = bytes, .dev = dev, .ticket = ticket, .counted = counted};
+    pthread_mutex_lock(&s->lock);
+    h->next = s->buckets[b];
+    s->buckets[b] = h;
+    pthread_mutex_unlock(&s->lock);
+    if (counted) atomic_fetch_add(&devices[dev].allocs, 1);
+    return CUDA_SUCCESS;
+}
+
 static CUresult charge(int dev, uint64_t bytes, uint64_t key) {
     struct device *d = &devices[dev];
-    if (shared) {
-        if (shared_charge(d, dev, bytes) != CUDA_SUCCESS) return CUDA_ERROR_OUT_OF_MEMORY;
+    uint64_t ticket = 0;
+    if (ledger_mode == 1) {
+        CUresult rc;
+        ticket = ledger_charge(FAKE_OP_ALLOC, dev, bytes, 0, &rc);
+        if (rc != CUDA_SUCCESS) return rc == CUDA_ERROR_UNKNOWN ? CUDA_ERROR_UNKNOWN : CUDA_ERROR_OUT_OF_MEMORY;
+    } else if (ledger_mode < 0) {
+        return CUDA_ERROR_NO_DEVICE;
     } else {
         unsigned long long cur = atomic_load(&d->used);
         do {
@@ -284,23 +274,10 @@ static CUresult charge(int dev, uint64_t bytes, uint64_t key) {
         while (cur + bytes > peak && !atomic_compare_exchange_weak(&d->peak, &peak, cur + bytes)) {
         }
     }
-    struct handle *h = malloc(sizeof *h);
-    if (!h) {
-        uncharge(dev, bytes);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    size_t b;
-    struct shard *s = shard_of(key, &b);
-    *h = (struct handle){.key = key, .bytes = bytes, .dev = dev};
-    pthread_mutex_lock(&s->lock);
-    h->next = s->buckets[b];
-    s->buckets[b] = h;
-    pthread_mutex_unlock(&s->lock);
-    atomic_fetch_add(&d->allocs, 1);
-    return CUDA_SUCCESS;
+    return remember(dev, bytes, key, ticket, 1);
 }
 
-static CUresult release(uint64_t key) {
+static struct handle *take(uint64_t key) {
     size_t b;
     struct shard *s = shard_of(key, &b);
     pthread_mutex_lock(&s->lock);
@@ -309,12 +286,31 @@ static CUresult release(uint64_t key) {
     struct handle *h = *link;
     if (h) *link = h->next;
     pthread_mutex_unlock(&s->lock);
+    return h;
+}
+
+static struct handle *find(uint64_t key) {
+    size_t b;
+    struct shard *s = shard_of(key, &b);
+    pthread_mutex_lock(&s->lock);
+    struct handle *h = s->buckets[b];
+    while (h && h->key != key) h = h->next;
+    pthread_mutex_unlock(&s->lock);
+    return h;
+}
+
+static CUresult release(uint64_t key) {
+    struct handle *h = take(key);
     if (!h) {
         atomic_fetch_add(&bad_frees, 1);
         return CUDA_ERROR_INVALID_VALUE;
     }
-    uncharge(h->dev, h->bytes);
-    atomic_fetch_add(&devices[h->dev].frees, 1);
+    if (h->counted) {
+        uncharge(h->dev, h->bytes, h->ticket);
+        atomic_fetch_add(&devices[h->dev].frees, 1);
+    } else {
+        ledger_free(h->ticket); /* an import: the ledger's charge to this process only */
+    }
     free(h);
     return CUDA_SUCCESS;
 }
@@ -345,6 +341,7 @@ static CUresult alloc_on_current(CUdeviceptr *dptr, size_t bytes) {
 
 EXPORT CUresult cuInit(unsigned int flags) {
     config();
+    if (ledger_mode < 0) return CUDA_ERROR_NO_DEVICE; /* a ledger beside the library that does not answer */
     return flags == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
@@ -409,20 +406,269 @@ EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
 EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     config();
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
-    if (physical(dev) < 0) return CUDA_ERROR_INVALID_DEVICE;
-    *pctx = (CUcontext)(uintptr_t)(physical(dev) + 1);
-    return CUDA_SUCCESS;
+    int phys = physical(dev);
+    if (phys < 0) return CUDA_ERROR_INVALID_DEVICE;
+    CUresult rc = CUDA_SUCCESS;
+    pthread_mutex_lock(&ctx_mutex);
+    if (primary[phys].refs == 0) rc = context_charge(phys, &primary[phys].ticket);
+    if (rc == CUDA_SUCCESS) primary[phys].refs++;
+    pthread_mutex_unlock(&ctx_mutex);
+    if (rc == CUDA_SUCCESS) *pctx = (CUcontext)(uintptr_t)(phys + 1);
+    return rc;
 }
 
 EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
     config();
-    return physical(dev) < 0 ? CUDA_ERROR_INVALID_DEVICE : CUDA_SUCCESS;
+    int phys = physical(dev);
+    if (phys < 0) return CUDA_ERROR_INVALID_DEVICE;
+    uint64_t gone = 0;
+    pthread_mutex_lock(&ctx_mutex);
+    if (primary[phys].refs > 0 && --primary[phys].refs == 0) gone = primary[phys].ticket;
+    pthread_mutex_unlock(&ctx_mutex);
+    ledger_free(gone);
+    return CUDA_SUCCESS;
+}
+
+/* cuCtxCreate (every ABI): a context of its own on `dev`, made current, with its own overhead. */
+static CUresult create_context(CUcontext *pctx, CUdevice dev) {
+    config();
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    int phys = physical(dev);
+    if (phys < 0) return CUDA_ERROR_INVALID_DEVICE;
+    uint64_t ticket;
+    CUresult rc = context_charge(phys, &ticket);
+    if (rc != CUDA_SUCCESS) return rc;
+    pthread_mutex_lock(&ctx_mutex);
+    int slot = 0;
+    while (slot < CREATED_CONTEXTS && created[slot].live) slot++;
+    if (slot < CREATED_CONTEXTS) created[slot].phys = phys, created[slot].live = 1, created[slot].ticket = ticket;
+    pthread_mutex_unlock(&ctx_mutex);
+    if (slot == CREATED_CONTEXTS) {
+        ledger_free(ticket);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *pctx = (CUcontext)(uintptr_t)(CREATED_BASE + slot);
+    current_ctx = phys + 1;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *params, unsigned int flags, CUdevice dev) {
+    (void)params, (void)flags;
+    return create_context(pctx, dev);
+}
+
+CUresult fake_cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) __asm__("cuCtxCreate_v2") EXPORT;
+CUresult fake_cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
+    (void)flags;
+    return create_context(pctx, dev);
+}
+
+EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx) {
+    uintptr_t v = (uintptr_t)ctx;
+    if (v < CREATED_BASE || v >= CREATED_BASE + CREATED_CONTEXTS) return CUDA_ERROR_INVALID_CONTEXT;
+    uint64_t gone = 0;
+    int was = 0;
+    pthread_mutex_lock(&ctx_mutex);
+    if (created[v - CREATED_BASE].live) {
+        was = created[v - CREATED_BASE].phys + 1;
+        gone = created[v - CREATED_BASE].ticket;
+        created[v - CREATED_BASE].live = 0;
+    }
+    pthread_mutex_unlock(&ctx_mutex);
+    if (!was) return CUDA_ERROR_INVALID_CONTEXT;
+    ledger_free(gone);
+    if (current_ctx == was) current_ctx = 0;
+    return CUDA_SUCCESS;
+}
+
+/* ---- what a context spends outside cuMemAlloc: limits, modules ---- */
+
+/* Each limit as last set, plus one (0: never set, the default holds). */
+static _Atomic size_t limit_values[MAX_DEVICES][3];
+
+static size_t limit_default(CUlimit limit) {
+    return limit == CU_LIMIT_STACK_SIZE ? 1024 : limit == CU_LIMIT_PRINTF_FIFO_SIZE ? 1u << 20 : 8u << 20;
+}
+
+/* The ledger charges the limit's device footprint (the stack for every resident thread); refused, the
+ * old value stays, as the real driver answers CUDA_ERROR_OUT_OF_MEMORY. */
+EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
+    int dev;
+    CUresult rc = current_device(&dev);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (limit != CU_LIMIT_STACK_SIZE && limit != CU_LIMIT_PRINTF_FIFO_SIZE && limit != CU_LIMIT_MALLOC_HEAP_SIZE)
+        return CUDA_ERROR_UNSUPPORTED_LIMIT;
+    if (ledger_mode == 1) {
+        fake_ledger_reply r = {0};
+        rc = ledger_ask(FAKE_OP_LIMIT, dev, (uint64_t)limit, value, &r, -1, NULL);
+        if (rc != CUDA_SUCCESS) return rc;
+    }
+    atomic_store(&limit_values[dev][limit], value + 1);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxGetLimit(size_t *value, CUlimit limit) {
+    int dev;
+    CUresult rc = current_device(&dev);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    if (limit != CU_LIMIT_STACK_SIZE && limit != CU_LIMIT_PRINTF_FIFO_SIZE && limit != CU_LIMIT_MALLOC_HEAP_SIZE)
+        return CUDA_ERROR_UNSUPPORTED_LIMIT;
+    size_t set = atomic_load(&limit_values[dev][limit]);
+    *value = set ? set - 1 : limit_default(limit);
+    return CUDA_SUCCESS;
+}
+
+/* Device bytes a module image takes: an ELF cubin's allocated sections (its globals, .nv.global
+ * included though the file holds no bytes for it), a fatbinary's size, else PTX text's. */
+static uint64_t module_bytes(const void *image) {
+    const unsigned char *p = image;
+    if (!memcmp(p, ELFMAG, SELFMAG) && p[EI_CLASS] == ELFCLASS64) {
+        const Elf64_Ehdr *eh = image;
+        const Elf64_Shdr *sh = (const Elf64_Shdr *)(p + eh->e_shoff);
+        uint64_t sum = 0;
+        for (unsigned i = 0; eh->e_shoff && eh->e_shentsize == sizeof *sh && i < eh->e_shnum; i++)
+            if (sh[i].sh_flags & SHF_ALLOC) sum += sh[i].sh_size;
+        return sum ? sum : 1;
+    }
+    uint32_t magic;
+    memcpy(&magic, p, sizeof magic);
+    if (magic == 0xBA55ED50u) { /* fatbinary header: magic, version, header size, fat size */
+        uint16_t header;
+        uint64_t fat;
+        memcpy(&header, p + 6, sizeof header);
+        memcpy(&fat, p + 8, sizeof fat);
+        return header + fat;
+    }
+    return strnlen(image, 1u << 30) + 1;
+}
+
+/* A module or library: charged on `dev` as reserved memory until unloaded; its handle is the key. */
+static CUresult load_image(void **handle, const void *image, int dev) {
+    if (!handle || !image) return CUDA_ERROR_INVALID_VALUE;
+    if (ledger_mode < 0) return CUDA_ERROR_NO_DEVICE;
+    uint64_t bytes = module_bytes(image), ticket = 0;
+    if (ledger_mode == 1) {
+        CUresult rc;
+        ticket = ledger_charge(FAKE_OP_MODULE, dev, bytes, 0, &rc);
+        if (rc != CUDA_SUCCESS) return rc;
+    }
+    uint64_t key = new_address(1);
+    CUresult rc = remember(dev, bytes, key, ticket, 0);
+    if (rc == CUDA_SUCCESS) *handle = (void *)(uintptr_t)key;
+    return rc;
+}
+
+EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image) {
+    int dev;
+    CUresult rc = current_device(&dev);
+    return rc != CUDA_SUCCESS ? rc : load_image((void **)module, image, dev);
+}
+
+EXPORT CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int n, CUjit_option *options,
+                                   void **values) {
+    (void)n, (void)options, (void)values;
+    return cuModuleLoadData(module, image);
+}
+
+EXPORT CUresult cuModuleUnload(CUmodule module) {
+    return release((uintptr_t)module) == CUDA_SUCCESS ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+/* A library is context-independent: charged to the current context's device, else the first visible. */
+EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *jit_options, void **jit_values,
+                                  unsigned int jit_count, CUlibraryOption *options, void **values, unsigned int count) {
+    (void)jit_options, (void)jit_values, (void)jit_count, (void)options, (void)values, (void)count;
+    config();
+    int dev = current_ctx ? current_ctx - 1 : visible_count ? visible[0] : -1;
+    return dev < 0 ? CUDA_ERROR_NO_DEVICE : load_image((void **)library, code, dev);
+}
+
+EXPORT CUresult cuLibraryUnload(CUlibrary library) {
+    return release((uintptr_t)library) == CUDA_SUCCESS ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+/* ---- imports: another process's memory, charged to the importer by the ledger ---- */
+
+static const char ipc_magic[8] = "FAKEIPC";
+
+static CUresult export_of(uint64_t key, uint64_t token[2], int *fd) {
+    if (ledger_mode != 1) return CUDA_ERROR_NOT_SUPPORTED;
+    struct handle *h = find(key);
+    if (!h || !h->counted) return CUDA_ERROR_INVALID_VALUE;
+    fake_ledger_reply r = {0};
+    CUresult rc = ledger_ask(FAKE_OP_EXPORT, 0, h->ticket, 0, &r, -1, fd);
+    token[0] = r.v[0], token[1] = r.v[1];
+    return rc;
+}
+
+static CUresult import(uint32_t op, uint64_t a, uint64_t b, int fd, uint64_t *key) {
+    if (ledger_mode != 1) return CUDA_ERROR_NOT_SUPPORTED;
+    fake_ledger_reply r = {0};
+    CUresult rc = ledger_ask(op, 0, a, b, &r, fd, NULL);
+    if (rc != CUDA_SUCCESS) return rc;
+    *key = new_address(r.v[1]);
+    return remember((int)r.v[2], r.v[1], *key, r.v[0], 0);
+}
+
+EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr dptr) {
+    if (!handle) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t token[2];
+    int fd = -1;
+    CUresult rc = export_of(dptr, token, &fd);
+    if (fd >= 0) close(fd); /* the token names the export; the fd is for shareable handles */
+    if (rc != CUDA_SUCCESS) return rc;
+    memset(handle, 0, sizeof *handle);
+    memcpy(handle->reserved, ipc_magic, sizeof ipc_magic);
+    memcpy(handle->reserved + 8, token, sizeof token);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int flags) {
+    (void)flags;
+    if (!pdptr || memcmp(handle.reserved, ipc_magic, sizeof ipc_magic)) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t token[2], key;
+    memcpy(token, handle.reserved + 8, sizeof token);
+    CUresult rc = import(FAKE_OP_IMPORT_TOKEN, token[0], token[1], -1, &key);
+    if (rc == CUDA_SUCCESS) *pdptr = (CUdeviceptr)key;
+    return rc;
+}
+
+EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr dptr) {
+    struct handle *h = find(dptr);
+    if (!h || h->counted) return CUDA_ERROR_INVALID_VALUE; /* not an import */
+    return release(dptr);
+}
+
+EXPORT CUresult cuMemExportToShareableHandle(void *shareable, CUmemGenericAllocationHandle handle,
+                                             CUmemAllocationHandleType type, unsigned long long flags) {
+    if (!shareable || flags || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t token[2];
+    int fd = -1;
+    CUresult rc = export_of(handle, token, &fd);
+    if (rc == CUDA_SUCCESS && fd < 0) rc = CUDA_ERROR_UNKNOWN;
+    if (rc != CUDA_SUCCESS) {
+        if (fd >= 0) close(fd);
+        return rc;
+    }
+    *(int *)shareable = fd;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *os_handle,
+                                               CUmemAllocationHandleType type) {
+    if (!handle || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t key;
+    CUresult rc = import(FAKE_OP_IMPORT_FD, 0, 0, (int)(intptr_t)os_handle, &key);
+    if (rc == CUDA_SUCCESS) *handle = key;
+    return rc;
 }
 
 EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {
     uintptr_t v = (uintptr_t)ctx;
-    if (v > MAX_DEVICES) return CUDA_ERROR_INVALID_CONTEXT;
-    current_ctx = (int)v;
+    int dev = context_device(v);
+    if (v && !dev) return CUDA_ERROR_INVALID_CONTEXT;
+    current_ctx = dev;
     return CUDA_SUCCESS;
 }
 
@@ -686,11 +932,11 @@ static __thread int ctx_stack[32];
 static __thread int ctx_depth;
 
 EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
-    uintptr_t v = (uintptr_t)ctx;
-    if (v == 0 || v > MAX_DEVICES) return CUDA_ERROR_INVALID_CONTEXT;
+    int dev = context_device((uintptr_t)ctx);
+    if (!dev) return CUDA_ERROR_INVALID_CONTEXT;
     if (ctx_depth >= (int)(sizeof ctx_stack / sizeof ctx_stack[0])) return CUDA_ERROR_OUT_OF_MEMORY;
     ctx_stack[ctx_depth++] = current_ctx;
-    current_ctx = (int)v;
+    current_ctx = dev;
     return CUDA_SUCCESS;
 }
 
@@ -985,6 +1231,21 @@ static const struct entry_point entry_points[] = {
     {"cuGraphAddNode", 12020, 0, (void *)fake_cuGraphAddNode_v1},
     {"cuGraphAddNode", 12030, 0, (void *)cuGraphAddNode_v2},
     {"cuMemPoolSetAttribute", 11020, 0, (void *)cuMemPoolSetAttribute},
+    {"cuCtxCreate", 3020, 0, (void *)fake_cuCtxCreate_v2},
+    {"cuCtxCreate", 12050, 0, (void *)cuCtxCreate_v4},
+    {"cuCtxDestroy", 4000, 0, (void *)cuCtxDestroy_v2},
+    {"cuCtxSetLimit", 3010, 0, (void *)cuCtxSetLimit},
+    {"cuCtxGetLimit", 3010, 0, (void *)cuCtxGetLimit},
+    {"cuModuleLoadData", 2000, 0, (void *)cuModuleLoadData},
+    {"cuModuleLoadDataEx", 2010, 0, (void *)cuModuleLoadDataEx},
+    {"cuModuleUnload", 2000, 0, (void *)cuModuleUnload},
+    {"cuLibraryLoadData", 12000, 0, (void *)cuLibraryLoadData},
+    {"cuLibraryUnload", 12000, 0, (void *)cuLibraryUnload},
+    {"cuIpcGetMemHandle", 4010, 0, (void *)cuIpcGetMemHandle},
+    {"cuIpcOpenMemHandle", 11000, 0, (void *)cuIpcOpenMemHandle_v2},
+    {"cuIpcCloseMemHandle", 4010, 0, (void *)cuIpcCloseMemHandle},
+    {"cuMemExportToShareableHandle", 10020, 0, (void *)cuMemExportToShareableHandle},
+    {"cuMemImportFromShareableHandle", 10020, 0, (void *)cuMemImportFromShareableHandle},
     {"cuGetProcAddress", 11030, 0, (void *)fake_cuGetProcAddress_v1},
     {"cuGetProcAddress", 12000, 0, (void *)cuGetProcAddress_v2},
 };
@@ -1031,13 +1292,16 @@ int fakeCudaStats(int physical_index, fake_cuda_stats *out) {
     config();
     if (!out || physical_index < 0 || (physical_index >= device_count && physical_index != HOST_SLOT)) return -1;
     struct device *d = &devices[physical_index];
+    uint64_t v[5] = {atomic_load(&d->used), atomic_load(&d->peak), atomic_load(&d->allocs), atomic_load(&d->frees), 0};
+    if (ledger_mode < 0 || (ledger_mode == 1 && ledger_stats(physical_index, v) != 0)) return -1;
     *out = (fake_cuda_stats){
         .total = device_total,
-        .used = used_now(physical_index),
-        .peak = atomic_load(&d->peak),
-        .allocs = atomic_load(&d->allocs),
-        .frees = atomic_load(&d->frees),
+        .used = v[0],
+        .peak = v[1],
+        .allocs = v[2],
+        .frees = v[3],
         .bad_frees = atomic_load(&bad_frees),
+        .reserved = v[4],
     };
     return 0;
 }

@@ -10,6 +10,7 @@ typedef struct {
     unsigned long long allocs;    /* successful allocations */
     unsigned long long frees;     /* successful releases */
     unsigned long long bad_frees; /* releases of handles the fake never issued */
+    unsigned long long reserved;  /* what the driver spends outside allocations: contexts, limits, modules */
 } fake_cuda_stats;
 
 /* physical_index ignores CUDA_VISIBLE_DEVICES; FAKE_CUDA_HOST_SLOT reports host VMM

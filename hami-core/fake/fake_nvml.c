@@ -1,19 +1,15 @@
-/* A fake libnvidia-ml.so.1 reporting the same devices as the fake libcuda.so.1
- * (FAKE_CUDA_DEVICES x FAKE_CUDA_TOTAL_MIB); used memory is the fake driver's own
- * count when that library is loaded in the process, else 0. The per-process queries
- * (nvmlDevice{Compute,Graphics}RunningProcesses[_v2|_v3]) answer from the fake driver's
- * node-wide ledger (FAKE_CUDA_STATE), by host PID, as the real driver does. */
+/* A fake libnvidia-ml.so.1 reporting the same devices as the fake libcuda.so.1. With the node's
+ * fake-gpu ledger beside this library (fake_ledger.h), the card, the device-wide used memory and the
+ * per-process queries (nvmlDevice{Compute,Graphics}RunningProcesses[_v2|_v3]) answer from it, by host
+ * PID, as the real driver does; without one, the card is FAKE_CUDA_DEVICES x FAKE_CUDA_TOTAL_MIB, used
+ * memory is this process's own fake driver's count, and there is no process list. */
 #define _GNU_SOURCE
-#include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/sysmacros.h>
 #include <unistd.h>
 #include "fake_cuda.h"
 #include "fake_ledger.h"
@@ -39,7 +35,9 @@ static unsigned long long env_ull(const char *name, unsigned long long fallback,
     return text && (*end || end == text || v < 1 || v > hi) ? fallback : v;
 }
 
-static unsigned long long total_bytes(void) { return env_ull("FAKE_CUDA_TOTAL_MIB", 15360, 1ull << 30) << 20; }
+static unsigned long long card_total;
+
+static unsigned long long total_bytes(void) { return card_total; }
 
 static int ledger_device_used(unsigned int index, unsigned long long *used);
 
@@ -58,8 +56,15 @@ static unsigned long long used_bytes(unsigned int index) {
     return used;
 }
 
+static int ledger_card(unsigned int *count, unsigned long long *total);
+
+/* The card: the node ledger's when one sits beside this library (the environment cannot enlarge it),
+ * else FAKE_CUDA_DEVICES x FAKE_CUDA_TOTAL_MIB as the in-process fake driver reads them. */
 EXPORT nvmlReturn_t nvmlInit_v2(void) {
-    device_count = (unsigned int)env_ull("FAKE_CUDA_DEVICES", 1, MAX_DEVICES);
+    if (!ledger_card(&device_count, &card_total)) {
+        device_count = (unsigned int)env_ull("FAKE_CUDA_DEVICES", 1, MAX_DEVICES);
+        card_total = env_ull("FAKE_CUDA_TOTAL_MIB", 15360, 1ull << 30) << 20;
+    }
     for (unsigned int i = 0; i < device_count; i++) devices[i].index = i;
     initialised = 1;
     return NVML_SUCCESS;
@@ -151,9 +156,7 @@ typedef struct {
 _Static_assert(sizeof(nvmlProcessInfo_v1_t) == 16 && sizeof(nvmlProcessInfo_v2_t) == 24, "nvml.h record sizes");
 
 struct held {
-    int slot;               /* record index in the ledger */
-    int hint;               /* the pid the process wrote: its own PID namespace's */
-    unsigned int host_pid;  /* 0 until the kernel tells us */
+    unsigned int host_pid;
     unsigned long long bytes;
 };
 
@@ -167,201 +170,60 @@ static int api_supported(int version) {
     return version <= (int)env_ull("FAKE_NVML_PROCESS_API", 3, 3);
 }
 
-static off_t record_offset(int slot) {
-    return (off_t)(offsetof(fake_ledger, procs) + (size_t)slot * sizeof(fake_ledger_proc));
-}
-
-/* Does open file `fd` of host process `pid` hold the OFD write lock on ledger bytes
- * [start, end]? /proc/<pid>/fdinfo/<fd> lists the locks held through that very open file. */
-static int fd_holds(const char *pid, const char *fd, unsigned int major_, unsigned int minor_, unsigned long inode,
-                    unsigned long long start, unsigned long long end) {
-    char path[96], text[4096];
-    snprintf(path, sizeof path, "/proc/%s/fdinfo/%s", pid, fd);
-    int info = open(path, O_RDONLY | O_CLOEXEC);
-    if (info < 0) return 0;
-    ssize_t n = read(info, text, sizeof text - 1);
-    close(info);
-    if (n <= 0) return 0;
-    text[n] = '\0';
-    for (char *line = strstr(text, "lock:"); line; line = strstr(line + 5, "lock:")) {
-        /* lock:	1: OFDLCK ADVISORY  WRITE -1 fe:00:10051812 2112 2263 */
-        char kind[16], type[16], last[32];
-        unsigned int ma, mi;
-        unsigned long ino;
-        unsigned long long first;
-        if (sscanf(line, "lock: %*d: %15s %*s %15s %*d %x:%x:%lu %llu %31s", kind, type, &ma, &mi, &ino, &first, last) == 7 &&
-            !strcmp(kind, "OFDLCK") && !strcmp(type, "WRITE") && ma == major_ && mi == minor_ && ino == inode &&
-            first == start && strtoull(last, NULL, 10) == end)
-            return 1;
-    }
-    return 0;
-}
-
-/* Which of host process `pid`'s open files hold the lock of record `slot`. */
-static int process_holds(const char *pid, const struct stat *ledger, int slot) {
-    char path[64];
-    snprintf(path, sizeof path, "/proc/%s/fd", pid);
-    DIR *dir = opendir(path);
-    if (!dir) return 0;
-    unsigned long long start = (unsigned long long)record_offset(slot), end = start + sizeof(fake_ledger_proc) - 1;
-    int found = 0;
-    for (struct dirent *e; !found && (e = readdir(dir));) {
-        struct stat st;
-        if (e->d_name[0] == '.' || fstatat(dirfd(dir), e->d_name, &st, 0) != 0) continue;
-        if (st.st_dev == ledger->st_dev && st.st_ino == ledger->st_ino)
-            found = fd_holds(pid, e->d_name, major(ledger->st_dev), minor(ledger->st_dev), ledger->st_ino, start, end);
-    }
-    closedir(dir);
-    return found;
-}
-
-/* The pid a host process has in its innermost PID namespace (the last NSpid field). */
-static int innermost_pid(const char *pid) {
-    char path[64], text[4096];
-    snprintf(path, sizeof path, "/proc/%s/status", pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return -1;
-    ssize_t n = read(fd, text, sizeof text - 1);
-    close(fd);
-    if (n <= 0) return -1;
-    text[n] = '\0';
-    char *line = strstr(text, "\nNSpid:");
-    if (!line) return atoi(pid);
-    char *end = strchr(line + 1, '\n');
-    if (end) *end = '\0';
-    char *last = strrchr(line, '\t');
-    return last ? atoi(last + 1) : -1;
-}
-
-/* The host PID of each record, as the kernel shows it, never as the process wrote it.
- *
- * The fake libcuda records getpid(), which inside a PID namespace the tenant made
- * (`unshare -Urpf`) is a small number naming some other host process, and which any process
- * could overwrite. The real driver reports host PIDs whatever the process does, so neither
- * may decide here. What the tenant cannot fake is the kernel's record of which open file
- * holds the record's lock: /proc/<host pid>/fdinfo shows it. The written pid is only tried
- * first (the common case, a process in the host's PID namespace, costs one directory); a
- * record no host process is seen holding is left out, never guessed. When an open file is
- * shared (a fork that skipped the fake's atfork handler), the holder whose own namespace pid
- * is the one written wins, then the lowest host PID. Reading others' fdinfo needs what the
- * node agent has: root in the host's PID namespace. */
-static void resolve_host_pids(const struct stat *ledger, struct held *held, unsigned int n) {
-    /* per record: 0 nothing found yet, 1 a holder in another namespace, 2 the holder in the
-     * namespace that wrote the pid (settled) */
-    unsigned char *found = calloc(n ? n : 1, 1);
-    if (!found) return;
-    unsigned int unresolved = 0;
-    for (unsigned int i = 0; i < n; i++) {
-        char pid[16];
-        snprintf(pid, sizeof pid, "%d", held[i].hint);
-        if (held[i].hint > 0 && process_holds(pid, ledger, held[i].slot) && innermost_pid(pid) == held[i].hint) {
-            held[i].host_pid = (unsigned int)held[i].hint;
-            found[i] = 2;
-        } else {
-            unresolved++;
-        }
-    }
-    DIR *proc = unresolved ? opendir("/proc") : NULL;
-    for (struct dirent *e; proc && (e = readdir(proc));) {
-        if (e->d_name[0] < '1' || e->d_name[0] > '9') continue;
-        unsigned int host = (unsigned int)strtoul(e->d_name, NULL, 10);
-        int inner = -2;
-        for (unsigned int i = 0; i < n; i++) {
-            if (found[i] == 2 || !process_holds(e->d_name, ledger, held[i].slot)) continue;
-            if (inner == -2) inner = innermost_pid(e->d_name);
-            unsigned char rank = inner == held[i].hint ? 2 : 1;
-            if (rank > found[i] || (rank == found[i] && host < held[i].host_pid)) {
-                held[i].host_pid = host;
-                found[i] = rank;
-            }
-        }
-    }
-    if (proc) closedir(proc);
-    free(found);
-}
-
-/* Live processes holding memory on NVML device `index`, by host PID. The ledger's counters
- * are read under the same lock its writers take, so no allocation is seen half made; a
- * record whose lock nobody holds is a process that died (the real driver drops it too). */
+/* Live processes charged on NVML device `index`, by host PID, as the node ledger's kernel names them:
+ * allocations, contexts, limits, modules and imports alike, as a real NVML reports usedGpuMemory. */
 static nvmlReturn_t ledger_processes(unsigned int index, struct held **out, unsigned int *count) {
     *out = NULL;
     *count = 0;
-    const char *path = getenv("FAKE_CUDA_STATE");
-    if (!path || !*path) return NVML_ERROR_NOT_SUPPORTED; /* no node-wide view to answer from */
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return errno == ENOENT ? NVML_SUCCESS : NVML_ERROR_UNKNOWN; /* nobody has allocated yet */
-    struct stat st;
-    if (fstat(fd, &st) != 0 || (st.st_size != 0 && st.st_size != (off_t)sizeof(fake_ledger))) {
-        close(fd);
-        return NVML_ERROR_UNKNOWN; /* not the layout fake_ledger.h describes */
-    }
-    if (st.st_size == 0) { /* created, not sized yet */
-        close(fd);
-        return NVML_SUCCESS;
-    }
-    const fake_ledger *ledger = mmap(NULL, sizeof *ledger, PROT_READ, MAP_SHARED, fd, 0);
-    struct held *held = malloc(FAKE_LEDGER_PROCS * sizeof *held);
-    if (ledger == MAP_FAILED || !held) {
-        if (ledger != MAP_FAILED) munmap((void *)ledger, sizeof *ledger);
+    int fd = fake_ledger_connect((const void *)nvmlInit_v2);
+    if (fd == -1) return NVML_ERROR_NOT_SUPPORTED; /* no node-wide view to answer from */
+    if (fd < 0) return NVML_ERROR_UNKNOWN;
+    fake_ledger_procs_reply *reply = malloc(sizeof *reply);
+    struct held *held = malloc(FAKE_LEDGER_MAX_PROCESSES * sizeof *held);
+    fake_ledger_request req = {.op = FAKE_OP_PROCESSES, .dev = (int32_t)index};
+    ssize_t n = reply && held ? fake_ledger_call(fd, &req, reply, sizeof *reply, -1, NULL) : -1;
+    close(fd);
+    if (n < 0 || reply->head.status != 0 || reply->head.count > FAKE_LEDGER_MAX_PROCESSES ||
+        (size_t)n < sizeof reply->head + reply->head.count * sizeof(fake_ledger_process)) {
+        free(reply);
         free(held);
-        close(fd);
         return NVML_ERROR_UNKNOWN;
     }
-    struct flock counters = {.l_type = F_RDLCK, .l_whence = SEEK_SET, .l_len = FAKE_LEDGER_COUNTERS_LEN};
-    while (fcntl(fd, F_OFD_SETLKW, &counters) == -1 && errno == EINTR) {
-    }
-    unsigned int n = 0;
-    for (int i = 0; i < FAKE_LEDGER_PROCS; i++) {
-        const fake_ledger_proc *p = &ledger->procs[i];
-        if (p->pid && p->used[index]) held[n++] = (struct held){.slot = i, .hint = p->pid, .bytes = p->used[index]};
-    }
-    counters.l_type = F_UNLCK;
-    fcntl(fd, F_OFD_SETLK, &counters);
-    unsigned int live = 0;
-    for (unsigned int i = 0; i < n; i++) {
-        struct flock probe = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = record_offset(held[i].slot),
-                              .l_len = sizeof(fake_ledger_proc)};
-        if (fcntl(fd, F_OFD_GETLK, &probe) == 0 && probe.l_type != F_UNLCK) held[live++] = held[i];
-    }
-    resolve_host_pids(&st, held, live);
-    n = 0;
-    for (unsigned int i = 0; i < live; i++)
-        if (held[i].host_pid) held[n++] = held[i]; /* exited while we looked */
-    munmap((void *)ledger, sizeof *ledger);
-    close(fd);
+    for (unsigned int i = 0; i < reply->head.count; i++)
+        held[i] = (struct held){.host_pid = reply->procs[i].pid, .bytes = reply->procs[i].bytes};
+    *count = reply->head.count;
     *out = held;
-    *count = n;
+    free(reply);
     return NVML_SUCCESS;
 }
 
-/* Sum of what live records hold on device `index` (0 when nobody has allocated yet); -1 when
- * there is no node-wide ledger to read. */
+/* What the node ledger says is taken on device `index` (allocations and the driver's reservations);
+ * -1 when there is no node ledger to ask. */
 static int ledger_device_used(unsigned int index, unsigned long long *used) {
-    const char *path = getenv("FAKE_CUDA_STATE");
     *used = 0;
-    if (!path || !*path) return -1;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    struct stat st;
-    if (fd < 0) return errno == ENOENT ? 0 : -1; /* nobody has allocated yet */
-    if (fstat(fd, &st) != 0 || st.st_size != (off_t)sizeof(fake_ledger)) {
-        int not_sized_yet = st.st_size == 0;
-        close(fd);
-        return not_sized_yet ? 0 : -1;
-    }
-    const fake_ledger *ledger = mmap(NULL, sizeof *ledger, PROT_READ, MAP_SHARED, fd, 0);
-    if (ledger == MAP_FAILED) {
-        close(fd);
-        return -1;
-    }
-    for (int i = 0; i < FAKE_LEDGER_PROCS; i++) {
-        const fake_ledger_proc *p = &ledger->procs[i];
-        if (!p->pid || !p->used[index]) continue;
-        struct flock probe = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = record_offset(i), .l_len = sizeof *p};
-        if (fcntl(fd, F_OFD_GETLK, &probe) == 0 && probe.l_type != F_UNLCK) *used += p->used[index];
-    }
-    munmap((void *)ledger, sizeof *ledger);
-    close(fd);
+    int fd = fake_ledger_connect((const void *)nvmlInit_v2);
+    if (fd == -1) return -1;
+    fake_ledger_request req = {.op = FAKE_OP_STATS, .dev = (int32_t)index};
+    fake_ledger_reply r = {0};
+    ssize_t n = fd >= 0 ? fake_ledger_call(fd, &req, &r, sizeof r, -1, NULL) : -1;
+    if (fd >= 0) close(fd);
+    if (n < 0 || r.status != 0) return -1;
+    *used = r.v[0] + r.v[4];
     return 0;
+}
+
+/* The node ledger's card (count, bytes each) when one sits beside this library; 0 when none answers. */
+static int ledger_card(unsigned int *count, unsigned long long *total) {
+    int fd = fake_ledger_connect((const void *)nvmlInit_v2);
+    if (fd < 0) return 0;
+    fake_ledger_request req = {.op = FAKE_OP_HELLO};
+    fake_ledger_reply r = {0};
+    ssize_t n = fake_ledger_call(fd, &req, &r, sizeof r, -1, NULL);
+    close(fd);
+    if (n < 0 || r.status != 0 || r.v[0] < 1 || r.v[0] > MAX_DEVICES) return 0;
+    *count = (unsigned int)r.v[0];
+    *total = r.v[1];
+    return 1;
 }
 
 /* NVML's contract: *infoCount in is the room in `infos`; too little room (a count query

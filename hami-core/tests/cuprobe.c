@@ -174,8 +174,8 @@ static void print_fake(int dev) {
         printf("fake %d unavailable\n", dev);
         return;
     }
-    printf("fake %d used=%llu peak=%llu allocs=%llu frees=%llu bad_frees=%llu total=%llu\n", dev, s.used, s.peak,
-           s.allocs, s.frees, s.bad_frees, s.total);
+    printf("fake %d used=%llu peak=%llu allocs=%llu frees=%llu bad_frees=%llu total=%llu reserved=%llu\n", dev, s.used,
+           s.peak, s.allocs, s.frees, s.bad_frees, s.total, s.reserved);
 }
 
 static void print_procaddr(const char *name, int version, cuuint64_t flags) {

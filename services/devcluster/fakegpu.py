@@ -1,7 +1,8 @@
 """The real node's GPU, faked at the driver level only, the way a GPU Operator cluster looks to Kubernetes.
 
 hami-core's fake `libcuda.so.1` / `libnvidia-ml.so.1` and its `nvidia-smi` stand-in are the driver, installed once
-into the node's driver folder with the node-wide ledger they keep (the ground truth); the `nvidia` runtime
+into the node's driver folder; the node-wide ledger (the ground truth) is a node process, kai_isolator.shared.fake_gpu,
+serving `fake-gpu.sock` in that folder, where the libraries find it; the `nvidia` runtime
 (nvidia_runtime.py) adds them to containers that name GPUs; a device plugin advertises `nvidia.com/gpu` through
 the kubelet's device-plugin API (gRPC, v1beta1) and hands out NVIDIA_VISIBLE_DEVICES; the node carries the labels
 GPU feature discovery sets. A DEV AND TEST FIXTURE.
@@ -20,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
+from kai_isolator.shared.fake_gpu import SOCKET_NAME
+from kai_isolator.shared.fake_gpu import FakeGpu as Ledger
 
 from .kai import fake_gpu_uuid
 from .realnode import RUNC, compiled
@@ -162,8 +166,9 @@ class FakeGpu:
         self.runtime = workdir / "nvidia-container-runtime"
 
     @property
-    def ledger(self) -> Path:
-        return self.driver / "ledger"
+    def ledger_socket(self) -> Path:
+        """Where the node's ledger listens: beside the libraries, where they look for it."""
+        return self.driver / SOCKET_NAME
 
     def prepare(self, cache: Path) -> None:
         """Install the driver (a copy, so rebuilding hami-core does not change a running node) and the runtime."""
@@ -175,9 +180,7 @@ class FakeGpu:
         self.driver.mkdir(parents=True, exist_ok=True)
         for name, source in sources.items():
             shutil.copy2(source, self.driver / name)
-        # Every container's processes keep their books here, whatever uid they run as: the driver's own file.
-        self.ledger.touch()
-        self.ledger.chmod(0o666)
+        (self.driver / "ledger").unlink(missing_ok=True)  # the books live in the ledger process, never in a file
         self.runtime.write_text(f"#!/bin/sh\nexec {sys.executable} -I {RUNTIME_SOURCE} --runc {RUNC} --driver {self.driver} -- \"$@\"\n")
         self.runtime.chmod(0o755)
 
@@ -189,6 +192,10 @@ class FakeGpu:
     @staticmethod
     def runtime_class() -> dict[str, Any]:
         return {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": "nvidia"}, "handler": "nvidia"}
+
+    def ledger_command(self) -> list[str]:
+        """The node's ledger as the node runs it (a process in the node's namespaces, as the kernel driver is the node's)."""
+        return Ledger(self.driver, devices=self.count, total_mib=self.memory_mib).command()
 
     def device_plugin_command(self) -> list[str]:
         """The device plugin as the node runs it (a process in the node's namespaces, as a DaemonSet's pod would be)."""

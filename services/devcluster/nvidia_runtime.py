@@ -1,9 +1,9 @@
 """The real node's `nvidia` runtime: runc, plus the (fake) driver in containers whose environment names GPUs.
 
 Like nvidia-container-runtime: on `create` it reads the bundle's OCI config and, when NVIDIA_VISIBLE_DEVICES names
-GPUs (not empty, `void` or `none`), adds the driver's libraries, `nvidia-smi` and the driver's node-wide ledger as
-read-only binds (the ledger read-write: the fake driver keeps its books there), and on `exec` into such a container
-names the ledger in the new process's env too; then runs runc as asked.
+GPUs (not empty, `void` or `none`), adds the driver's libraries, `nvidia-smi` and the socket of the node's fake-gpu
+ledger (`fake-gpu.sock`, beside the libraries, where they look for it) as read-only binds; then runs runc as asked.
+Nothing goes into the container's environment: the driver needs none, and an `exec` sees the same mounts.
 Standard library only: containerd's shim runs it as `python3 -I nvidia_runtime.py --runc R --driver D -- ARGS`.
 """
 
@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 LIBRARY_DIR = "/usr/lib/x86_64-linux-gnu"
 LIBRARIES = ("libcuda.so.1", "libnvidia-ml.so.1")
 SMI = "/usr/bin/nvidia-smi"
-LEDGER = "/run/nvidia-fake-driver/ledger"  # in the container; FAKE_CUDA_STATE names it
-SOCKET = "fake-gpu.sock"
+SOCKET = "fake-gpu.sock"  # the node's fake-gpu ledger (kai_isolator.shared.fake_gpu), found beside the libraries
 NO_GPUS = ("", "void", "none")
 
 
@@ -43,48 +41,15 @@ def wants_gpus(spec: dict[str, object]) -> bool:
 
 
 def add_driver(spec: dict[str, object], driver: Path) -> None:
-    """The driver's files into the spec, as binds; FAKE_CUDA_STATE pointing at its ledger."""
+    """The driver's files into the spec, as read-only binds: its libraries, nvidia-smi, and its ledger's socket.
+    The socket is bound whether or not it exists yet: a node whose GPU is not up fails the container, loudly,
+    rather than giving it a driver without the node's books."""
     mounts: list[dict[str, object]] = spec.setdefault("mounts", [])  # type: ignore[assignment]
     read_only = ["bind", "ro", "nosuid", "nodev"]
     for name in LIBRARIES:
         mounts.append({"destination": f"{LIBRARY_DIR}/{name}", "type": "bind", "source": str(driver / name), "options": read_only})
     mounts.append({"destination": SMI, "type": "bind", "source": str(driver / "nvidia-smi"), "options": read_only})
-    mounts.append({"destination": LEDGER, "type": "bind", "source": str(driver / "ledger"), "options": ["bind", "rw", "nosuid", "nodev", "noexec"]})
-    if (driver / SOCKET).exists():  # a driver that keeps its books in a daemon: the libraries find it next to them
-        mounts.append({"destination": f"{LIBRARY_DIR}/{SOCKET}", "type": "bind", "source": str(driver / SOCKET), "options": read_only})
-    process: dict[str, object] = spec.setdefault("process", {})  # type: ignore[assignment]
-    env: list[str] = process.setdefault("env", [])  # type: ignore[assignment]
-    env[:] = [e for e in env if not e.startswith("FAKE_CUDA_STATE=")] + [f"FAKE_CUDA_STATE={LEDGER}"]
-
-
-def option(args: list[str], command: str, name: str) -> str | None:
-    """The value of `--name V` or `--name=V` after `command` in runc's arguments."""
-    rest = args[args.index(command) + 1:]
-    for i, arg in enumerate(rest):
-        if arg == name and i + 1 < len(rest):
-            return rest[i + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
-def exec_gets_ledger(runc: str, args: list[str]) -> None:
-    """`runc exec --process P ID` into a container that has the driver: P's env names the ledger too. containerd builds an
-    exec's process from its own copy of the container's spec, which never saw what `create` added to config.json."""
-    process_file = option(args, "exec", "--process")
-    if process_file is None:
-        return
-    state = subprocess.run([runc, *args[:args.index("exec")], "state", args[-1]], capture_output=True, text=True, timeout=30)
-    try:
-        spec = json.loads((Path(json.loads(state.stdout)["bundle"]) / "config.json").read_text())
-    except (ValueError, KeyError, TypeError, OSError):
-        return  # no such container, or no bundle: runc's exec reports that itself
-    if not any(m.get("destination") == LEDGER for m in spec.get("mounts") or []):
-        return
-    process = json.loads(Path(process_file).read_text())
-    env: list[str] = process.setdefault("env", [])
-    env[:] = [e for e in env if not e.startswith("FAKE_CUDA_STATE=")] + [f"FAKE_CUDA_STATE={LEDGER}"]
-    Path(process_file).write_text(json.dumps(process))
+    mounts.append({"destination": f"{LIBRARY_DIR}/{SOCKET}", "type": "bind", "source": str(driver / SOCKET), "options": read_only})
 
 
 def main(argv: list[str]) -> int:
@@ -92,8 +57,6 @@ def main(argv: list[str]) -> int:
         print("usage: nvidia_runtime.py --runc RUNC --driver DIR -- RUNC-ARGS...", file=sys.stderr)
         return 2
     runc, driver, args = argv[1], Path(argv[3]), argv[5:]
-    if "exec" in args:
-        exec_gets_ledger(runc, args)
     bundle = bundle_of(args)
     if bundle is not None:
         config = bundle / "config.json"

@@ -81,6 +81,8 @@ class RealNodeCluster:
         plane.write_kubeconfig(self.workdir / "kubelet.kubeconfig", NODE_NAME, {"client-certificate": str(cert), "client-key": str(key)})
         await self._timed("controller-manager and scheduler", asyncio.to_thread(self._start_controllers, binaries))
         await self._timed("node daemons", asyncio.to_thread(self.node.start_daemons))
+        self.node.spawn("fake-gpu", self.gpu.ledger_command())  # the GPU's books, before any container can reach it
+        await self._timed("fake GPU ledger", asyncio.to_thread(self.node.wait_for_path, "fake-gpu", self.gpu.ledger_socket))
         self.node.spawn("device-plugin", self.gpu.device_plugin_command())
         await self._timed("node ready", self._until_ready())
         await self.cluster.request("POST", "/apis/node.k8s.io/v1/runtimeclasses", self.gpu.runtime_class())

@@ -281,6 +281,10 @@ class RealNode:
         self._daemons[name] = process
         return process
 
+    def wait_for_path(self, name: str, path: Path, timeout_s: float = 15) -> None:
+        """Until daemon `name` has made `path` (its socket), or it exits, or `timeout_s` passes."""
+        self._wait(name, path.exists, timeout_s)
+
     def _wait(self, name: str, ready: object, timeout_s: float) -> None:
         process = self._daemons[name]
         deadline = time.monotonic() + timeout_s

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from kai_isolator.shared.fake_gpu import FAKE_CONTEXT_OVERHEAD_BYTES, FakeGpu, FakeGpuError
 
 from .agent import NodeAgent
 from .settings import NodeAgentSettings
@@ -17,7 +18,6 @@ if TYPE_CHECKING:  # services.dev imports this module
 
 log = logging.getLogger(__name__)
 LIBRARY = Path(__file__).resolve().parents[2] / "hami-core" / "build" / "libvgpu.so"
-FAKE_NVML = LIBRARY.parent / "fake" / "libnvidia-ml.so.1"
 
 
 @contextlib.asynccontextmanager
@@ -29,16 +29,24 @@ async def component(ctx: DevContext) -> AsyncIterator[None]:
     if not libraries:
         log.warning("hami-core/build/libvgpu.so missing (run make -C hami-core); the agent starts with nothing to install")
     # The local control plane (started earlier) is this agent's API server: it writes grants for the pods bound to it.
-    # One node-wide fake-driver ledger for every demo container; the agent's enforcer reads it through the
-    # fake NVML loaded in this process (the real NVML needs neither).
-    ledger = ctx.workdir / "fake-driver.ledger"
-    os.environ["FAKE_CUDA_STATE"] = str(ledger)
-    ctx.values["fake_driver_env"] = {"FAKE_CUDA_STATE": str(ledger)}
+    # One fake GPU for every demo container: its ledger process beside a copy of the fake driver, which the
+    # containers load (fake_driver_env) and the agent's enforcer reads through the fake NVML there.
+    gpu = FakeGpu(ctx.workdir / "nvidia-driver")
+    try:
+        gpu.start()
+        ctx.values["fake_driver_env"] = {"LD_LIBRARY_PATH": str(gpu.folder)}
+    except FakeGpuError as error:
+        log.warning("no fake GPU on this node (%s): the agent's enforcer has no driver view", error)
     settings = NodeAgentSettings(node_name=node, host_root=root, library=libraries, status_interval_s=15, usage_interval_s=5,
-                                 kubeconfig=ctx.values.get("kubeconfig"), nvml_library=str(FAKE_NVML),
-                                 breach_tolerance_mib=0)  # the fake driver reserves nothing per context
+                                 kubeconfig=ctx.values.get("kubeconfig"), nvml_library=str(gpu.nvml),
+                                 # one demo process per container: the fake driver's overhead for its one context
+                                 breach_tolerance_mib=-(-FAKE_CONTEXT_OVERHEAD_BYTES // (1 << 20)))
     agent = NodeAgent(settings, ctx.bus, probe_listen="127.0.0.1:0")
-    await agent.start(ctx.nats_url)
+    try:
+        await agent.start(ctx.nats_url)
+    except BaseException:
+        gpu.stop()
+        raise
     ctx.values.update(node_name=node, host_root=root, nodeagent_metrics=f"{agent.runtime.probe_url}/metrics")
     ctx.values["grant_root"] = agent.grant_root
     print(f"node agent {node}: host root {root}, grants in {agent.grant_root}, metrics {agent.runtime.probe_url}/metrics", flush=True)
@@ -46,3 +54,4 @@ async def component(ctx: DevContext) -> AsyncIterator[None]:
         yield
     finally:
         await agent.stop()
+        gpu.stop()

@@ -26,6 +26,7 @@ from kai_isolator.services.watcher import dev as watcher_dev
 from kai_isolator.shared.bus import connect, provision_stream
 from kai_isolator.shared.contract import DEFAULT_VGPU_MOUNT, INJECT_ANNOTATION, PRELOAD_PATH, VGPU_VOLUME
 from kai_isolator.shared.embedded_nats import EmbeddedNats
+from kai_isolator.shared.fake_gpu import FAKE_CONTEXT_OVERHEAD_BYTES
 from kai_isolator.shared.settings import BusSettings
 
 VENV_BIN = Path(sys.executable).parent  # kubectl finds the kubectl-isolator plugin on PATH
@@ -62,11 +63,8 @@ async def services(node: Node, workdir: Path, nats_url: str) -> AsyncIterator[De
     assert cluster is not None and gpu is not None
     ctx.values["kubeconfig"] = cluster.kubeconfig
     async with contextlib.AsyncExitStack() as stack:
-        # The enforcer's NVML is the node's (fake) driver, reading the node-wide ledger its containers write; the
-        # rest of the session's tests keep their own.
-        before = os.environ.get("FAKE_CUDA_STATE")
-        os.environ["FAKE_CUDA_STATE"] = str(gpu.ledger)
-        stack.callback(lambda: os.environ.pop("FAKE_CUDA_STATE") if before is None else os.environ.update(FAKE_CUDA_STATE=before))
+        # The enforcer's NVML is the node's (fake) driver, answering from the node's ledger process beside it, the one
+        # every container's libraries reach through the socket the nvidia runtime binds in.
         await stack.enter_async_context(admission_dev.component(ctx))
         await cluster.register_webhook(ctx.values["admission_url"], ctx.values["admission_ca_bundle"], failure_policy="Fail")
         await stack.enter_async_context(watcher_dev.component(ctx))
@@ -164,9 +162,10 @@ def test_a_raw_driver_escape_is_killed_from_runcs_cgroups_and_the_neighbour_keep
     # The driver's view: the neighbour's 1 GiB is all that is left on the GPU.
     gpu = node.real.gpu
     assert gpu is not None
-    smi = subprocess.run([str(gpu.driver / "nvidia-smi")], env={"LD_LIBRARY_PATH": str(gpu.driver), "FAKE_CUDA_STATE": str(gpu.ledger)},
+    smi = subprocess.run([str(gpu.driver / "nvidia-smi")], env={"LD_LIBRARY_PATH": str(gpu.driver)},
                          capture_output=True, text=True, timeout=30)
-    assert re.search(r"\| +1024MiB / +15360MiB \|", smi.stdout), smi
+    held_mib = 1024 + FAKE_CONTEXT_OVERHEAD_BYTES // (1 << 20)  # its 1 GiB and its context, as NVML charges it
+    assert re.search(rf"\| +{held_mib}MiB / +15360MiB \|", smi.stdout), smi
 
 
 def test_upstreams_kind_smoke_checks_on_the_real_node(isolated_node: Node, cuda_image: str) -> None:

@@ -3,9 +3,10 @@
 A pod goes through the real admission mutation (services/admission), gets KAI's limit
 ConfigMap, and is started by the demo kubelet: private mount namespace, read-only library
 dir and preload (and grant dir when the webhook mounts one), writable state dir, in a cgroup
-named as the kubelet names it. Every process talks to the fake driver through one private
-node-wide ledger (FAKE_CUDA_STATE), so a test asserts on what really reached the "driver",
-then runs the node agent's inspection and the verifier's judgement on the container.
+named as the kubelet names it. Every process talks to the fake driver, whose books one private
+node-side ledger process keeps (shared/fake_gpu.py, reached through the socket beside the driver's
+libraries, never through anything the tenant sets), so a test asserts on what really reached the
+"driver", then runs the node agent's inspection and the verifier's judgement on the container.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kai_isolator.shared.contract import (
     DEFAULT_GRANT_DIR, DEFAULT_VGPU_MOUNT, GPU_MEMORY_ANNOTATION, GRANT_FILE, GRANT_VOLUME, LIMIT_ENV,
 )
 from kai_isolator.shared.events import InspectReply, InspectRequest, PodIsolation, PodRef
+from kai_isolator.shared.fake_gpu import FAKE_CONTEXT_OVERHEAD_BYTES, FakeGpu
 from kai_isolator.shared.grant import DeviceGrant, Grant, GrantSource
 from kai_isolator.shared.limits import parse_limit
 
@@ -47,6 +49,7 @@ NAMESPACE = "tenant"
 NODE = "gpu-node-sec"
 GIB = 1 << 30
 MIB = 1 << 20
+CONTEXT = FAKE_CONTEXT_OVERHEAD_BYTES  # what the fake driver charges each context, in NVML's figure for its process
 FAKE_GPU_UUID = "GPU-0000fa4e-1111-2222-3333-000000000000"  # the fake NVML's device 0
 LIBRARY_PATH = f"{DEFAULT_VGPU_MOUNT}/libvgpu.so"  # what the verifier expects in /etc/ld.so.preload
 
@@ -251,15 +254,15 @@ def tenant_grant(directory: Path, limit_bytes: int = 15 << 30) -> Path:
 
 @dataclass
 class SimNode:
-    """One simulated GPU node: a temp host root with our library installed, a fake GPU with a
-    private node-wide ledger, and a kubelet that places containers in kubelet-named cgroups."""
+    """One simulated GPU node: a temp host root with our library installed, a fake GPU whose
+    node-side ledger process keeps its books, and a kubelet that places containers in kubelet-named cgroups."""
 
     root: Path
     scratch: Path
     driver: CgroupDriver
     gpu_total_mib: int = 15360
     layout: HostLayout = field(init=False)
-    ledger: Path = field(init=False)
+    gpu: FakeGpu = field(init=False)
     placement: CgroupPlacement = field(init=False)
     version: str = field(init=False)
     containers: list[Container] = field(default_factory=list)
@@ -268,17 +271,18 @@ class SimNode:
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         self.layout = HostLayout(self.root, DEFAULT_VGPU_MOUNT)
-        self.ledger = self.scratch / "fake-driver.ledger"
         self.placement = CgroupPlacement(prefix=f"kai-sec-{uuid.uuid4().hex[:12]}", driver=self.driver)
         _, self.version = install.read_library(LIBVGPU)
         install.activate(self.layout, self.version, {self.version: LIBVGPU})
+        # The node's driver folder: the fake libraries and the ledger's socket beside them (last: stop() ends it).
+        self.gpu = FakeGpu(self.scratch / "nvidia-driver", total_mib=self.gpu_total_mib).start()
 
     @property
     def driver_env(self) -> dict[str, str]:
-        """What the node gives every container to reach the (fake) driver. The real driver does not
-        depend on the environment, so an attack that clears its environment puts this back."""
-        return {"LD_LIBRARY_PATH": str(FAKE_DIR), "FAKE_CUDA_STATE": str(self.ledger),
-                "FAKE_CUDA_TOTAL_MIB": str(self.gpu_total_mib)}
+        """What the node gives every container to find the (fake) driver's libraries, as the runtime's
+        ld.so.cache does for the real one; the ledger needs nothing more. An attack that clears its
+        environment puts this back (a real container finds the driver without it)."""
+        return {"LD_LIBRARY_PATH": str(self.gpu.folder)}
 
     async def start(self, pod: Obj, argv: list[str] | None = None, *, limit: str = "1g", container: str = "main",
                     grant: bool = True, grant_written: bool = True) -> Container:
@@ -329,20 +333,20 @@ class SimNode:
         return observe.reply_to(self.layout, Path("/proc"), request, NODE, install.active_version(self.layout))
 
     def driver_stats(self, device: int = 0) -> dict[str, int]:
-        """The fake driver's node-wide counters for a physical device (dead processes released)."""
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **self.driver_env}
-        proc = subprocess.run([str(CUPROBE), "--path=link", "fake", str(device)], env=env, capture_output=True,
-                              text=True, timeout=30, check=True)
-        line = next(line for line in proc.stdout.splitlines() if line.startswith("fake "))
-        return {key: int(value) for key, _, value in (item.partition("=") for item in line.split()[2:])}
+        """The ledger's node-wide counters for a physical device (dead processes released): `used` and
+        `peak` by the cuMemAlloc family, `reserved` by the driver outside it (contexts, limits, modules)."""
+        return self.gpu.stats(device)
 
     def driver_used(self, device: int = 0) -> int:
-        """Bytes every process on the node really holds on `device`: the attack's ground truth."""
+        """Bytes every process on the node really allocated on `device`: the attack's ground truth."""
         return self.driver_stats(device)["used"]
 
     async def stop(self) -> None:
-        for program in self.background:
-            await program.stop()
-        for container in self.containers:
-            await container.process.stop()
-        await asyncio.to_thread(self.placement.remove)
+        try:
+            for program in self.background:
+                await program.stop()
+            for container in self.containers:
+                await container.process.stop()
+            await asyncio.to_thread(self.placement.remove)
+        finally:
+            self.gpu.stop()

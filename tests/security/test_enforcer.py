@@ -32,27 +32,24 @@ from kai_isolator.shared.contract import DEFAULT_GRANT_DIR
 from kai_isolator.shared.events import Breach, HealthVerdict, InspectRequest, decode
 from kai_isolator.shared.settings import BusSettings
 from security.container import (
-    BUILD, CUPROBE, FAKE_DIR, GIB, MIB, OUTCOMES, Background, Container, SimNode, decoy_library, gpu_pod, tenant_grant,
+    BUILD, CONTEXT, CUPROBE, FAKE_DIR, GIB, MIB, OUTCOMES, Background, Container, SimNode, decoy_library, gpu_pod, tenant_grant,
 )
 
 RAWELF = BUILD / "tests" / "rawelf"
 DEEPBIND = BUILD / "tests" / "deepbind"
 DEEPBIND_DSO = BUILD / "tests" / "libdeepbind.so"
 SHIM = BUILD / "tests" / "libshim.so"
-FAKE_NVML = FAKE_DIR / "libnvidia-ml.so.1"
+FAKE_NVML = FAKE_DIR / "libnvidia-ml.so.1"  # the build's copy, with no ledger beside it
 HOLD = ["hold", "600000"]
 ATTACK = 4 * GIB  # what each hostile tenant took under a 1 GiB grant before the enforcer
 
 
 @pytest.fixture
 def driver_view(node: SimNode, monkeypatch: pytest.MonkeyPatch) -> Iterator[Nvml]:
-    """The node agent's NVML: the fake one, answering from this node's ledger (the real one needs no env)."""
-    for key, value in node.driver_env.items():
-        if key.startswith("FAKE_"):
-            monkeypatch.setenv(key, value)
+    """The node agent's NVML: the fake one beside this node's ledger, which it answers from."""
     for knob in ("FAKE_NVML_PROCESS_API", "FAKE_NVML_GRAPHICS", "FAKE_NVML_USED"):
         monkeypatch.delenv(knob, raising=False)
-    reader = Nvml(str(FAKE_NVML))
+    reader = Nvml(str(node.gpu.nvml))
     yield reader
 
 
@@ -104,7 +101,7 @@ async def attack(container: Container, how: str, tmp_path: Path) -> Background:
 def holders(node: SimNode, container: Container) -> list[int]:
     """Host pids of the container that the driver shows holding memory (the fake NVML, as the agent reads it)."""
     mine = set(container.process.pids())
-    return sorted(p.pid for p in Nvml(str(FAKE_NVML)).snapshot().processes if p.pid in mine)
+    return sorted(p.pid for p in Nvml(str(node.gpu.nvml)).snapshot().processes if p.pid in mine)
 
 
 async def exited_by_sigkill(program: Background, timeout_s: float = 10) -> bool:
@@ -130,14 +127,14 @@ async def test_a_bypass_is_killed_and_the_neighbour_keeps_its_memory(node: SimNo
     # Issue 26: one complete poll over the grant is a breach (it was two, so bursts between them went unseen).
     first = await enforcer.poll()
     [measure] = [m for m in first.measures if m.target.pod.uid == tenant.pod_ref.uid]
-    assert first.ok and measure.used_bytes == ATTACK and measure.limit_bytes == GIB
+    assert first.ok and measure.used_bytes == ATTACK + CONTEXT and measure.limit_bytes == GIB
     assert [t.pod.uid for t, _ in first.breaches] == [tenant.pod_ref.uid]
 
     assert await exited_by_sigkill(bypass)
     [(target, breach)] = reports.seen
     assert (target.pod.name, target.container) == (tenant.pod_ref.name, "main")
-    assert breach.action == "killed" and breach.action_ok and breach.grant_bytes == GIB and breach.measured_bytes == ATTACK
-    assert [p.used_bytes for p in breach.processes] == [ATTACK] and all(p.killed for p in breach.processes)
+    assert breach.action == "killed" and breach.action_ok and breach.grant_bytes == GIB and breach.measured_bytes == ATTACK + CONTEXT
+    assert [p.used_bytes for p in breach.processes] == [ATTACK + CONTEXT] and all(p.killed for p in breach.processes)
     verdict = enforce.verdict("gpu-node-sec", target, breach)
     assert verdict.verdict == "breached" and [r.code for r in verdict.reasons] == ["over-grant", "killed"]
 
@@ -163,7 +160,7 @@ async def test_kill_stops_at_the_grant_biggest_first_and_one_breach_is_acted_on_
     # 2.5 GiB held; killing the 2 GiB process brings it to 512 MiB, under the grant: the small one lives.
     assert small.process.returncode is None and node.driver_used() == 512 * MIB
     [(_, breach)] = reports.seen
-    assert [(p.used_bytes, p.killed) for p in breach.processes] == [(2 * GIB, True), (512 * MIB, False)]
+    assert [(p.used_bytes, p.killed) for p in breach.processes] == [(2 * GIB + CONTEXT, True), (512 * MIB + CONTEXT, False)]
     for _ in range(3):
         await enforcer.poll()
     assert len(reports.seen) == 1
@@ -191,14 +188,15 @@ async def test_warn_and_evict_act_once_per_breach_however_long_it_lasts(node: Si
 async def test_the_tolerance_for_context_reservations_is_per_container(node: SimNode, driver_view: Nvml) -> None:
     """Issue 26: the allowance was per process, so splitting the work across processes bought one each."""
     tenant = await node.start(gpu_pod("tolerated"), limit="1g")
-    bypass = await tenant.background([str(RAWELF), str(GIB + 256 * MIB)])
+    # What NVML charges each process is its allocation and its context's overhead.
+    bypass = await tenant.background([str(RAWELF), str(GIB + 256 * MIB - CONTEXT)])
     await bypass.wait_for("holding")
     reports = Reports()
     enforcer = enforcer_for(node, driver_view, reports, tolerance_bytes=256 * MIB)
     for _ in range(3):
         await enforcer.poll()
     assert not reports.seen and bypass.process.returncode is None  # exactly grant + one context's allowance
-    more = await tenant.background([str(RAWELF), str(256 * MIB)])  # a second process: no more allowance, 256 MiB more held
+    more = await tenant.background([str(RAWELF), str(256 * MIB - CONTEXT)])  # a second process: no more allowance, 256 MiB more held
     await more.wait_for("holding")
     await enforcer.poll()
     await enforcer.poll()
@@ -263,7 +261,8 @@ async def test_nothing_is_killed_on_a_partial_view(node: SimNode, driver_view: N
         def snapshot() -> enforce.DriverSnapshot:
             return Nvml(str(FAKE_DIR / "no-such-libnvidia-ml.so.1")).snapshot()
     elif failure == "no-driver-view":
-        monkeypatch.delenv("FAKE_CUDA_STATE")  # the fake NVML then answers NVML_ERROR_NOT_SUPPORTED
+        def snapshot() -> enforce.DriverSnapshot:  # no ledger beside this copy: NVML_ERROR_NOT_SUPPORTED
+            return Nvml(str(FAKE_NVML)).snapshot()
     else:
         monkeypatch.setenv("FAKE_NVML_USED", "unavailable")  # NVML_VALUE_NOT_AVAILABLE for every process
     pods = KnownPods(node.root / DEFAULT_GRANT_DIR.lstrip("/"), lambda: {c.pod_ref.uid: c.pod for c in node.containers})
@@ -303,7 +302,7 @@ async def test_the_agent_kills_publishes_breached_posts_the_event_and_counts(
     tenant = await node.start(gpu_pod("agent-hostile"), limit="1g")
     settings = NodeAgentSettings(node_name="gpu-node-sec", host_root=node.root, library=[], install_on_start=False,
                                  status_interval_s=3600, usage_interval_s=3600, kubeconfig=dev_cluster.kubeconfig,
-                                 enforce_interval_s=0.2, breach_tolerance_mib=0, nvml_library=str(FAKE_NVML))
+                                 enforce_interval_s=0.2, breach_tolerance_mib=0, nvml_library=str(node.gpu.nvml))
     await dev_cluster.ensure_namespace(tenant.pod_ref.namespace)  # the tenant's namespace exists, as it does wherever its pods run
     agent = NodeAgent(settings, bus_settings, probe_listen="127.0.0.1:0")
     assert agent.enforcer is not None
@@ -328,9 +327,11 @@ async def test_the_agent_kills_publishes_breached_posts_the_event_and_counts(
                 f'pod="{tenant.pod_ref.name}"}} 1.0') in metrics
         assert "kai_isolator_nvml_up 1.0" in metrics
         reply = await agent.on_inspect(neighbour_request(neighbour))
-        assert reply.driver_view and [p.device_memory_bytes for p in reply.processes if p.device_memory_bytes] == [512 * MIB]
+        # The driver's figure: its allocation and its context, as NVML charges the process.
+        assert reply.driver_view and [p.device_memory_bytes for p in reply.processes if p.device_memory_bytes] == [512 * MIB + CONTEXT]
         usage = await agent.report_usage()
-        assert [(u.source, [d.used_bytes for d in u.devices]) for u in usage if u.pod.uid == neighbour.pod_ref.uid] == [("driver", [512 * MIB])]
+        assert [(u.source, [d.used_bytes for d in u.devices]) for u in usage if u.pod.uid == neighbour.pod_ref.uid] == [
+            ("driver", [512 * MIB + CONTEXT])]
     finally:
         await nc.close()
         await agent.stop()
@@ -375,7 +376,7 @@ async def test_a_tampered_accounting_file_is_held_to_the_grant_by_the_enforcer(n
     await enforcer.poll()
     await enforcer.poll()
     [(_, breach)] = reports.seen
-    assert breach.action == "killed" and breach.measured_bytes == 1536 * MIB and breach.grant_bytes == GIB
+    assert breach.action == "killed" and breach.measured_bytes == 1536 * MIB + 2 * CONTEXT and breach.grant_bytes == GIB
     killed = [program for program in (first, second) if await _ended(program)]
     assert len(killed) == 1 and node.driver_used() == 768 * MIB  # one of the two, and the grant holds again
     OUTCOMES.append((f"{how} [{node.driver.value}]", "killed by the enforcer (1536 MiB of 1024)", "breached: over-grant, killed"))

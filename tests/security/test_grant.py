@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kai_isolator.shared.contract import DEFAULT_GRANT_DIR, GRANT_FILE
+from kai_isolator.shared.fake_gpu import FakeGpu
 from security.container import CUPROBE, FAKE_GPU_UUID, GIB, MIB, Container, SimNode, blocked_or_detected, gpu_pod, tenant_grant
 
 HOLD = ["hold", "600000"]
@@ -43,8 +44,10 @@ async def test_in_process_environment_changes_do_not_move_the_grant(node: SimNod
 
 async def test_a_device_outside_the_grant_fails_closed(node: SimNode) -> None:
     container = await node.start(gpu_pod("other-device"), limit="1g")
-    two_gpus = {**container.env, "FAKE_CUDA_DEVICES": "2", "CUDA_VISIBLE_DEVICES": "0,1"}
-    result = await container.run([str(CUPROBE), "init", "ctx", "1", "alloc", str(MIB), "ctx", "0", "alloc", str(MIB), "fake", "1"], env=two_gpus)
+    with FakeGpu(node.scratch / "two-gpus", devices=2) as card:  # a node with a second device the grant does not name
+        two_gpus = {**container.env, "LD_LIBRARY_PATH": str(card.folder), "CUDA_VISIBLE_DEVICES": "0,1"}
+        result = await container.run([str(CUPROBE), "init", "ctx", "1", "alloc", str(MIB), "ctx", "0", "alloc", str(MIB), "fake", "1"],
+                                     env=two_gpus)
     allocs = [line for line in result.stdout.splitlines() if line.startswith("alloc ")]
     assert " rc=2" in allocs[0] and " rc=0" in allocs[1], result.stdout  # device 1 is not granted; device 0 is
     assert "is not in the grant" in result.stderr

@@ -20,21 +20,17 @@ from kai_isolator.services.nodeagent.nvml import Nvml
 from kai_isolator.services.nodeagent.settings import NodeAgentSettings
 from kai_isolator.shared.contract import DEFAULT_GRANT_DIR, FRACTION_CONTAINER_ANNOTATION
 from kai_isolator.shared.events import Breach, PodRef
-from security.container import BUILD, CUPROBE, FAKE_DIR, GIB, MIB, NODE, SHIPPED, Background, Container, SimNode, gpu_pod
+from security.container import BUILD, CONTEXT, CUPROBE, GIB, MIB, NODE, SHIPPED, Background, Container, SimNode, gpu_pod
 
 RAWELF = BUILD / "tests" / "rawelf"
-FAKE_NVML = FAKE_DIR / "libnvidia-ml.so.1"
 
 
 @pytest.fixture
 def driver_view(node: SimNode, monkeypatch: pytest.MonkeyPatch) -> Iterator[Nvml]:
-    """The node agent's NVML: the fake one, answering from this node's ledger."""
-    for key, value in node.driver_env.items():
-        if key.startswith("FAKE_"):
-            monkeypatch.setenv(key, value)
+    """The node agent's NVML: the fake one beside this node's ledger, which it answers from."""
     for knob in ("FAKE_NVML_PROCESS_API", "FAKE_NVML_GRAPHICS", "FAKE_NVML_USED"):
         monkeypatch.delenv(knob, raising=False)
-    yield Nvml(str(FAKE_NVML))
+    yield Nvml(str(node.gpu.nvml))
 
 
 class Shipped:
@@ -94,7 +90,7 @@ def inspected(container: Container, enforcer: enforce.Enforcer) -> object:
 def held_by(container: Container) -> int:
     """What the driver shows the container's processes holding (its cgroup and every one below it)."""
     mine = set(container.process.pids()) | nested_pids(container)
-    return sum(p.used_bytes or 0 for p in Nvml(str(FAKE_NVML)).snapshot().processes if p.pid in mine)
+    return sum(p.used_bytes or 0 for p in Nvml(str(container.node.gpu.nvml)).snapshot().processes if p.pid in mine)
 
 
 def nested_pids(container: Container) -> set[int]:
@@ -160,7 +156,7 @@ async def test_two_processes_that_each_take_the_whole_grant_are_acted_on(node: S
         first, second = await raw(tenant, GIB), await raw(tenant, GIB)
         held = time.monotonic()
         assert await until(lambda: shipped.first_action(tenant) is not None, 10), "two whole grants, never acted on"
-        assert await until(lambda: held_by(tenant) <= GIB, 10)
+        assert await until(lambda: held_by(tenant) <= GIB + CONTEXT, 10)  # the survivor: the grant and its context
         assert await until(lambda: [first.process.returncode, second.process.returncode].count(None) == 1, 10)
     row("the grant twice (2 processes)", node, shipped.acted_at(tenant) - held, shipped.verdict(tenant))
 
@@ -233,7 +229,7 @@ async def test_a_sidecar_of_a_gpu_sharing_pod_is_held_to_nothing(node: SimNode, 
         assert await until(lambda: hidden.process.returncode is not None, 10)
     _, _, breach = shipped.first_action(sidecar) or (0, None, None)
     assert breach is not None and breach.grant_bytes == 0 and breach.tolerance_bytes == 0
-    assert kept.process.returncode is None and held_by(main) == 512 * MIB  # the target keeps what its grant allows
+    assert kept.process.returncode is None and held_by(main) == 512 * MIB + CONTEXT  # the target keeps what its grant allows (and its context)
     row("sidecar (NVIDIA_VISIBLE_DEVICES=all)", node, shipped.acted_at(sidecar) - held, shipped.verdict(sidecar))
 
 
@@ -300,5 +296,5 @@ async def test_the_verifier_never_says_verified_while_the_driver_shows_more_than
     await watching.poll()
     judged = tenant.judge(inspected(tenant, watching))
     assert judged.verdict == "breached" and judged.reasons[0].code == "driver-over-grant", judged.reasons
-    assert f"holding {4 * GIB} bytes, held to {GIB} (+{512 * MIB}" in judged.reasons[0].message
+    assert f"holding {4 * GIB + CONTEXT} bytes, held to {GIB} (+{512 * MIB}" in judged.reasons[0].message  # and its context
     row("verifier: library fine, driver over", node, None, f"{judged.verdict}: {', '.join(r.code for r in judged.reasons)}")

@@ -45,11 +45,12 @@ from kai_isolator.services.admission.server import AdmissionServer
 from kai_isolator.services.admission.settings import AdmissionSettings
 from kai_isolator.services.devcluster.cluster import ApiCallError, DevCluster
 from kai_isolator.services.nodeagent.agent import NodeAgent
-from kai_isolator.services.nodeagent.dev import FAKE_NVML, LIBRARY
+from kai_isolator.services.nodeagent.dev import LIBRARY
 from kai_isolator.services.nodeagent.settings import NodeAgentSettings
 from kai_isolator.shared import subjects
 from kai_isolator.shared.embedded_nats import ClusterMember, EmbeddedCluster, free_port
 from kai_isolator.shared.events import AdmissionDecision, HealthVerdict, PodIsolation, decode
+from kai_isolator.shared.fake_gpu import FakeGpu
 from kai_isolator.shared.operator_view import ISOLATED_CONDITION
 from kai_isolator.shared.settings import BusSettings
 
@@ -239,11 +240,11 @@ async def start_admission(workdir: Path, bus: BusSettings, dev_cluster: DevClust
     return server, Probed("admission", server.url, ssl.create_default_context(cafile=str(ca)))
 
 
-async def start_agent(node: str, workdir: Path, bus: BusSettings, kubeconfig: Path) -> tuple[NodeAgent, Probed]:
+async def start_agent(node: str, workdir: Path, bus: BusSettings, kubeconfig: Path, nvml: Path) -> tuple[NodeAgent, Probed]:
     root = workdir / f"host-{node}"
     root.mkdir(parents=True, exist_ok=True)
     settings = NodeAgentSettings(node_name=node, host_root=root, library=[LIBRARY], status_interval_s=5, usage_interval_s=5,
-                                 kubeconfig=kubeconfig, nvml_library=str(FAKE_NVML), breach_tolerance_mib=0, gc_grace_s=0)
+                                 kubeconfig=kubeconfig, nvml_library=str(nvml), breach_tolerance_mib=0, gc_grace_s=0)
     agent = NodeAgent(settings, bus, probe_listen="127.0.0.1:0")
     await agent.start(bus.nats_url or "")
     return agent, Probed(f"nodeagent:{node}", agent.runtime.probe_url)
@@ -426,9 +427,10 @@ async def inject_faults(cluster: EmbeddedCluster, timeline: Timeline, start_repl
 @pytest.mark.timeout(240)
 async def test_whole_stack_under_churn_through_nats_and_replica_faults(
         nats_cluster: EmbeddedCluster, bus_settings: BusSettings, dev_cluster: DevCluster, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        request: pytest.FixtureRequest) -> None:
     url, kubeconfig = nats_cluster.url, dev_cluster.kubeconfig
-    monkeypatch.setenv("FAKE_CUDA_STATE", str(tmp_path / "fake-driver.ledger"))  # the fake NVML's node-wide ledger
+    gpu = FakeGpu(tmp_path / "nvidia-driver").start()  # the fake NVML's node-wide ledger, beside it
+    request.addfinalizer(gpu.stop)
     await dev_cluster.ensure_namespace(NAMESPACE)
     probed: list[Probed] = []
     agents: list[tuple[NodeAgent, Probed]] = []
@@ -475,7 +477,7 @@ async def test_whole_stack_under_churn_through_nats_and_replica_faults(
     poller: asyncio.Task[None] | None = None
     try:
         for node in NODES:
-            agents.append(await start_agent(node, tmp_path, bus_settings, kubeconfig))
+            agents.append(await start_agent(node, tmp_path, bus_settings, kubeconfig, gpu.nvml))
             probed.append(agents[-1][1])
         watchers = list(await asyncio.gather(*(start_replica("watcher") for _ in range(2))))
         verifiers = list(await asyncio.gather(*(start_replica("verifier") for _ in range(2))))

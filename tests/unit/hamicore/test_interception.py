@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kai_isolator.shared.fake_gpu import FAKE_CONTEXT_OVERHEAD_BYTES as CONTEXT
 from vgpu_harness import HAMI, LIBVGPU, MIB, TESTS_DIR, base_env, probe, run_program
 
 LEGACY, PER_THREAD = "1", "2"
@@ -98,9 +99,10 @@ def test_nvml_never_reports_more_than_the_card() -> None:
     assert int(info["total"]) == 15360 * MIB
 
 
-def test_nvml_never_reports_more_free_than_the_card_has(tmp_path: Path) -> None:
-    # Another container holds 14 GiB of the card; this one has a 4g grant and holds nothing.
-    ledger = {"FAKE_CUDA_STATE": str(tmp_path / "node.ledger")}
+def test_nvml_never_reports_more_free_than_the_card_has(node_ledger: dict[str, str]) -> None:
+    # Another container holds 14 GiB of the card (and its context's overhead); this one has a 4g grant
+    # and holds nothing.
+    ledger = node_ledger
     neighbour = subprocess.Popen([str(TESTS_DIR / "cuprobe"), "init", "ctx", "0", "alloc", str(14336 * MIB), "hold", "60000"],
                                  env=base_env(ledger, preload=False), stdout=subprocess.PIPE, text=True)
     try:
@@ -109,11 +111,11 @@ def test_nvml_never_reports_more_free_than_the_card_has(tmp_path: Path) -> None:
             pass
         limited = {**ledger, "CUDA_DEVICE_MEMORY_LIMIT": "4g"}
         gpu = run_program([str(TESTS_DIR / "nvsmi")], limited).fields("gpu")  # a process that never loaded libcuda
-        assert int(gpu["total"]) == 4096 * MIB and int(gpu["free"]) == 1024 * MIB and gpu["used"] == "0"
+        assert int(gpu["total"]) == 4096 * MIB and int(gpu["free"]) == 1024 * MIB - CONTEXT and gpu["used"] == "0"
         info = probe("info", env=limited).fields("info")
-        assert int(info["free"]) == 1024 * MIB  # the same rule as cuMemGetInfo
+        assert int(info["free"]) == 1024 * MIB - 2 * CONTEXT  # the same rule as cuMemGetInfo (its own context too)
         whole = run_program([str(TESTS_DIR / "nvsmi")], ledger, preload=False).fields("gpu")
-        assert int(whole["used"]) == 14336 * MIB  # NVML's device-wide view, as the real one's
+        assert int(whole["used"]) == 14336 * MIB + CONTEXT  # NVML's device-wide view, as the real one's
     finally:
         neighbour.kill()
         neighbour.wait()

@@ -10,17 +10,17 @@ import sys
 import textwrap
 from pathlib import Path
 
-from vgpu_harness import MIB, run_program
+from vgpu_harness import MIB, node_gpu, run_program
 
 CARD_MIB = 15360  # the fake's card
 GRANT = "4147m"  # the seed's grant on a T4
 GRANT_MIB = 4147
 
 
-def client(script: str, env: dict[str, str], tmp_path: Path, preload: bool = True) -> dict:
-    """Run `script` in a fresh interpreter on a private node-wide ledger; its last line is JSON."""
-    node = {"FAKE_CUDA_STATE": str(tmp_path / "node.ledger"), **env}
-    result = run_program([sys.executable, "-c", textwrap.dedent(script)], node, preload=preload, timeout=120)
+def client(script: str, env: dict[str, str], tmp_path: Path, preload: bool = True, devices: int = 1) -> dict:
+    """Run `script` in a fresh interpreter on a private node-wide fake GPU of `devices`; its last line is JSON."""
+    with node_gpu(tmp_path / "node-gpu", devices=devices) as node:
+        result = run_program([sys.executable, "-c", textwrap.dedent(script)], {**node, **env}, preload=preload, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(result.lines[-1])
 
@@ -39,8 +39,8 @@ def test_pynvml_sees_the_grant_and_without_the_library_the_card(tmp_path: Path) 
 
 
 def test_pynvml_per_device_limits(tmp_path: Path) -> None:
-    env = {"FAKE_CUDA_DEVICES": "2", "CUDA_DEVICE_MEMORY_LIMIT_0": "1g", "CUDA_DEVICE_MEMORY_LIMIT_1": "2048m"}
-    assert client(PYNVML, env, tmp_path) == [[1024, 1024, 0], [2048, 2048, 0]]
+    env = {"CUDA_DEVICE_MEMORY_LIMIT_0": "1g", "CUDA_DEVICE_MEMORY_LIMIT_1": "2048m"}
+    assert client(PYNVML, env, tmp_path, devices=2) == [[1024, 1024, 0], [2048, 2048, 0]]
 
 
 def test_gpustat_shows_the_grant(tmp_path: Path) -> None:
@@ -83,15 +83,15 @@ def test_cuda_bindings_allocate_up_to_the_grant_and_not_a_mib_more(tmp_path: Pat
 
 
 def test_cuda_bindings_per_device_limits(tmp_path: Path) -> None:
-    env = {"FAKE_CUDA_DEVICES": "2", "CUDA_DEVICE_MEMORY_LIMIT_0": "1g", "CUDA_DEVICE_MEMORY_LIMIT_1": "2048m", "DEVICE": "1",
+    env = {"CUDA_DEVICE_MEMORY_LIMIT_0": "1g", "CUDA_DEVICE_MEMORY_LIMIT_1": "2048m", "DEVICE": "1",
            "FIRST": str(2048 * MIB), "SECOND": str(MIB)}
-    assert client(BINDINGS, env, tmp_path) == {"total_mib": 2048, "first": "CUDA_SUCCESS", "second": "CUDA_ERROR_OUT_OF_MEMORY"}
+    assert client(BINDINGS, env, tmp_path, devices=2) == {"total_mib": 2048, "first": "CUDA_SUCCESS", "second": "CUDA_ERROR_OUT_OF_MEMORY"}
 
 
 def test_cuda_bindings_fail_closed_on_a_garbage_limit(tmp_path: Path) -> None:
     env = {"CUDA_DEVICE_MEMORY_LIMIT": "4.5g", "FIRST": str(MIB), "SECOND": str(MIB)}
-    node = {"FAKE_CUDA_STATE": str(tmp_path / "node.ledger"), **env}
-    result = run_program([sys.executable, "-c", textwrap.dedent(BINDINGS)], node, timeout=120)
+    with node_gpu(tmp_path / "node-gpu") as node:
+        result = run_program([sys.executable, "-c", textwrap.dedent(BINDINGS)], {**node, **env}, timeout=120)
     assert json.loads(result.lines[-1])["first"] == "CUDA_ERROR_OUT_OF_MEMORY"
     assert result.stderr.count('CUDA_DEVICE_MEMORY_LIMIT="4.5g" is not a size') == 1
 

@@ -11,19 +11,26 @@ import signal
 import struct
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from kai_isolator.shared.usage_cache import FILE_SIZE, read_usage
-from vgpu_harness import GIB_BYTES, MIB, TESTS_DIR, base_env, probe
+from vgpu_harness import GIB_BYTES, MIB, TESTS_DIR, base_env, node_gpu, probe
 
 LIMIT = "1g"
 
 
+@pytest.fixture(autouse=True)
+def node_ledger_dir(tmp_path: Path) -> Iterator[None]:
+    """Every test here runs on one node-wide fake GPU, the ground truth shared_env reaches."""
+    with node_gpu(tmp_path / "node-gpu"):
+        yield
+
+
 def shared_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env = {"CUDA_DEVICE_MEMORY_SHARED_CACHE": str(tmp_path / "usage.cache"),
-           "FAKE_CUDA_STATE": str(tmp_path / "fake.state"), "CUDA_DEVICE_MEMORY_LIMIT": LIMIT}
+           "LD_LIBRARY_PATH": str(tmp_path / "node-gpu"), "CUDA_DEVICE_MEMORY_LIMIT": LIMIT}
     env.update(extra)
     return env
 

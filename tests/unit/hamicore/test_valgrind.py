@@ -35,11 +35,10 @@ def test_nvsmi_runs_clean_under_memcheck() -> None:
     assert "| 0MiB / 4147MiB |" in result.lines
 
 
-def test_shared_file_recovery_runs_clean_under_memcheck(tmp_path: Path) -> None:
+def test_shared_file_recovery_runs_clean_under_memcheck(node_ledger: dict[str, str], tmp_path: Path) -> None:
     """Rebuild after a holder died mid-update, and exec, under memcheck (fork children,
     which _exit holding memory on purpose, are not checked)."""
-    env = {"CUDA_DEVICE_MEMORY_SHARED_CACHE": str(tmp_path / "usage.cache"), "FAKE_CUDA_STATE": str(tmp_path / "fake"),
-           "CUDA_DEVICE_MEMORY_LIMIT": "1g"}
+    env = {"CUDA_DEVICE_MEMORY_SHARED_CACHE": str(tmp_path / "usage.cache"), **node_ledger, "CUDA_DEVICE_MEMORY_LIMIT": "1g"}
     argv = [str(TESTS_DIR / "cuprobe"), "init", "ctx", "0", "alloc", str(1 << 30), "crashstate", "1000", "hold", "60000"]
     holder = subprocess.Popen(argv, env=base_env(env), stdout=subprocess.PIPE, text=True)
     assert holder.stdout is not None

@@ -3,13 +3,17 @@ parses their `key=value` output lines."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from kai_isolator.shared.fake_gpu import FakeGpu
 
 REPO = Path(__file__).resolve().parents[3]
 HAMI = REPO / "hami-core"
@@ -58,6 +62,14 @@ def base_env(extra: dict[str, str] | None = None, preload: bool = True) -> dict[
         env["LD_PRELOAD"] = str(LIBVGPU)
     env.update(extra or {})
     return env
+
+
+@contextlib.contextmanager
+def node_gpu(folder: Path, devices: int = 1, total_mib: int = 15360) -> Iterator[dict[str, str]]:
+    """A node-wide fake GPU: the fake-gpu ledger beside a copy of the fake libraries in `folder`.
+    Yields the environment that reaches it (the library path; the ledger needs nothing else)."""
+    with FakeGpu(folder, devices=devices, total_mib=total_mib) as gpu:
+        yield {"LD_LIBRARY_PATH": str(gpu.folder)}
 
 
 def fresh_cache_path() -> str:

@@ -1,5 +1,6 @@
 """The enforcer's NVML reader against the fake NVML: real processes allocating through the fake driver,
-read back by host PID through every entry-point version and nvml.h's count / INSUFFICIENT_SIZE contract."""
+read back by host PID through every entry-point version and nvml.h's count / INSUFFICIENT_SIZE contract.
+Each process's figure is what the node's fake-gpu ledger charges it: its allocations and its context's overhead."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ from pathlib import Path
 import pytest
 
 from kai_isolator.services.nodeagent import enforce
+from kai_isolator.shared.fake_gpu import FAKE_CONTEXT_OVERHEAD_BYTES as CONTEXT
+from kai_isolator.shared.fake_gpu import FakeGpu
 from kai_isolator.services.nodeagent.nvml import (
     NVML_ERROR_INSUFFICIENT_SIZE, NVML_SUCCESS, Nvml, NvmlError, ProcessInfoV1, ProcessInfoV2,
 )
 from nodeagent_harness import FAKE_DIR, HAMI, MIB
 
 CUPROBE = HAMI / "build" / "tests" / "cuprobe"
-FAKE_NVML = str(FAKE_DIR / "libnvidia-ml.so.1")
+NO_LEDGER_NVML = str(FAKE_DIR / "libnvidia-ml.so.1")  # the build's copy: no fake-gpu ledger beside it
 UUID0 = "GPU-0000fa4e-1111-2222-3333-000000000000"
 
 
@@ -30,21 +33,20 @@ def built() -> None:
 
 
 @pytest.fixture
-def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    path = tmp_path / "ledger"
-    monkeypatch.setenv("FAKE_CUDA_STATE", str(path))
-    monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
-    for knob in ("FAKE_NVML_PROCESS_API", "FAKE_NVML_GRAPHICS", "FAKE_NVML_USED", "FAKE_CUDA_TOTAL_MIB"):
+def gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGpu]:
+    """A node's fake GPU of two devices: its ledger beside the copy of the fake libraries in its folder."""
+    for knob in ("FAKE_NVML_PROCESS_API", "FAKE_NVML_GRAPHICS", "FAKE_NVML_USED", "FAKE_CUDA_TOTAL_MIB", "FAKE_CUDA_DEVICES"):
         monkeypatch.delenv(knob, raising=False)
-    yield path
+    with FakeGpu(tmp_path / "driver", devices=2) as started:
+        yield started
 
 
 class Holders:
     """cuprobe processes that allocate on a device through the fake driver and keep it."""
 
-    def __init__(self, ledger: Path) -> None:
-        self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LD_LIBRARY_PATH": str(FAKE_DIR),
-                    "FAKE_CUDA_STATE": str(ledger), "FAKE_CUDA_DEVICES": "2"}
+    def __init__(self, gpu: FakeGpu) -> None:
+        self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LD_LIBRARY_PATH": str(gpu.folder)}
+        self.nvml = str(gpu.nvml)
         self.procs: list[subprocess.Popen[str]] = []
 
     def hold(self, nbytes: int, device: int = 0) -> subprocess.Popen[str]:
@@ -66,8 +68,8 @@ class Holders:
 
 
 @pytest.fixture
-def holders(ledger: Path) -> Iterator[Holders]:
-    started = Holders(ledger)
+def holders(gpu: FakeGpu) -> Iterator[Holders]:
+    started = Holders(gpu)
     yield started
     started.stop()
 
@@ -81,16 +83,17 @@ def test_every_entry_point_version_reads_the_same_truth(holders: Holders, monkey
     a = holders.hold(256 * MIB)
     b = holders.hold(512 * MIB, device=1)
     monkeypatch.setenv("FAKE_NVML_PROCESS_API", api)  # an older driver: newer entry points answer FUNCTION_NOT_FOUND
-    reader = Nvml(FAKE_NVML)
+    reader = Nvml(holders.nvml)
     snap = reader.snapshot()
-    assert {(p.pid, p.device_index): p.used_bytes for p in snap.processes} == {(a.pid, 0): 256 * MIB, (b.pid, 1): 512 * MIB}
+    assert {(p.pid, p.device_index): p.used_bytes for p in snap.processes} == {(a.pid, 0): 256 * MIB + CONTEXT,
+                                                                             (b.pid, 1): 512 * MIB + CONTEXT}
     assert snap.devices == (UUID0, "GPU-0100fa4e-1111-2222-3333-000000000001")
     assert snap.api == f"compute_v{api}+graphics_v{api}"
 
 
 def test_struct_layouts_are_nvml_h(holders: Holders) -> None:
     a = holders.hold(64 * MIB)
-    lib = ctypes.CDLL(FAKE_NVML)
+    lib = ctypes.CDLL(holders.nvml)
     assert lib.nvmlInit_v2() == NVML_SUCCESS
     device = ctypes.c_void_p()
     assert lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(device)) == NVML_SUCCESS
@@ -103,7 +106,7 @@ def test_struct_layouts_are_nvml_h(holders: Holders) -> None:
         buffer = (record * 2)()
         count = ctypes.c_uint(2)
         assert getattr(lib, name)(device, ctypes.byref(count), buffer) == NVML_SUCCESS and count.value == 1
-        assert (buffer[0].pid, buffer[0].usedGpuMemory) == (a.pid, 64 * MIB)
+        assert (buffer[0].pid, buffer[0].usedGpuMemory) == (a.pid, 64 * MIB + CONTEXT)
         if record is ProcessInfoV2:
             assert (buffer[0].gpuInstanceId, buffer[0].computeInstanceId) == (0xFFFFFFFF, 0xFFFFFFFF)  # not MIG
     other = ctypes.c_void_p()
@@ -114,32 +117,31 @@ def test_struct_layouts_are_nvml_h(holders: Holders) -> None:
 
 def test_a_list_longer_than_the_buffer_is_read_whole(holders: Holders) -> None:
     started = [holders.hold(MIB * (i + 1)) for i in range(20)]  # the reader starts with room for 16
-    assert held(Nvml(FAKE_NVML)) == {(p.pid, 0): MIB * (i + 1) for i, p in enumerate(started)}
+    assert held(Nvml(holders.nvml)) == {(p.pid, 0): MIB * (i + 1) + CONTEXT for i, p in enumerate(started)}
 
 
 def test_a_process_in_both_lists_counts_once(holders: Holders, monkeypatch: pytest.MonkeyPatch) -> None:
     a = holders.hold(128 * MIB)
     monkeypatch.setenv("FAKE_NVML_GRAPHICS", "all")  # graphics and compute contexts: listed twice, all its memory each time
-    assert held(Nvml(FAKE_NVML)) == {(a.pid, 0): 128 * MIB}
+    assert held(Nvml(holders.nvml)) == {(a.pid, 0): 128 * MIB + CONTEXT}
 
 
 def test_dead_processes_are_dropped(holders: Holders) -> None:
     a, b = holders.hold(64 * MIB), holders.hold(32 * MIB)
     a.kill()
     a.wait()
-    assert held(Nvml(FAKE_NVML)) == {(b.pid, 0): 32 * MIB}
+    assert held(Nvml(holders.nvml)) == {(b.pid, 0): 32 * MIB + CONTEXT}
 
 
 def test_a_withheld_figure_is_none_never_zero(holders: Holders, monkeypatch: pytest.MonkeyPatch) -> None:
     a = holders.hold(64 * MIB)
     monkeypatch.setenv("FAKE_NVML_USED", "unavailable")
-    assert held(Nvml(FAKE_NVML)) == {(a.pid, 0): None}
+    assert held(Nvml(holders.nvml)) == {(a.pid, 0): None}
 
 
-def test_no_view_is_an_error_never_an_empty_list(monkeypatch: pytest.MonkeyPatch, ledger: Path) -> None:
-    monkeypatch.delenv("FAKE_CUDA_STATE")
+def test_no_view_is_an_error_never_an_empty_list(gpu: FakeGpu) -> None:
     with pytest.raises(NvmlError, match="RunningProcesses"):
-        Nvml(FAKE_NVML).snapshot()
+        Nvml(NO_LEDGER_NVML).snapshot()  # no ledger beside this copy: no node-wide view
     with pytest.raises(NvmlError, match="cannot load"):
         Nvml(str(FAKE_DIR / "missing" / "libnvidia-ml.so.1"))
 

@@ -1,0 +1,65 @@
+"""The fake GPU's ledger process at its edges: malformed requests, devices it does not have, a card too small or
+too large, a driver that is not built, and what is left behind when it stops."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kai_isolator.shared import fake_gpu
+from kai_isolator.shared.fake_gpu import FakeGpu, FakeGpuError
+
+HAMI = Path(__file__).resolve().parents[3] / "hami-core"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    proc = subprocess.run(["make", "-s", "-C", str(HAMI)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def ask(gpu: FakeGpu, message: bytes) -> int:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as link:
+        link.settimeout(10)
+        link.connect(str(gpu.socket))
+        link.send(message)
+        return struct.unpack_from("<i", link.recv(4096))[0]
+
+
+def test_malformed_and_out_of_range_requests_get_an_error_and_change_nothing(tmp_path: Path) -> None:
+    with FakeGpu(tmp_path / "driver", devices=2, total_mib=1024) as gpu:
+        request = fake_gpu.REQUEST
+        assert ask(gpu, b"\x02" * 7) == fake_gpu.CUDA_ERROR_INVALID_VALUE  # too short
+        assert ask(gpu, request.pack(fake_gpu.OP_ALLOC, 0, 1, 0) + b"x") == fake_gpu.CUDA_ERROR_INVALID_VALUE  # too long
+        assert ask(gpu, request.pack(99, 0, 0, 0)) == fake_gpu.CUDA_ERROR_INVALID_VALUE  # no such operation
+        assert ask(gpu, request.pack(fake_gpu.OP_ALLOC, 2, 1, 0)) == fake_gpu.CUDA_ERROR_INVALID_DEVICE  # a third device
+        assert ask(gpu, request.pack(fake_gpu.OP_ALLOC, -1, 1, 0)) == fake_gpu.CUDA_ERROR_INVALID_DEVICE
+        assert ask(gpu, request.pack(fake_gpu.OP_ALLOC, 0, 0, 0)) == fake_gpu.CUDA_ERROR_INVALID_VALUE  # nothing
+        assert ask(gpu, request.pack(fake_gpu.OP_ALLOC, 0, -1, 0)) == fake_gpu.CUDA_ERROR_OUT_OF_MEMORY  # 2**64 - 1 bytes
+        assert ask(gpu, request.pack(fake_gpu.OP_LIMIT, 0, 7, 1)) == fake_gpu.CUDA_ERROR_INVALID_VALUE  # no such limit
+        assert ask(gpu, request.pack(fake_gpu.OP_IMPORT_TOKEN, 0, 1, 2)) == fake_gpu.CUDA_ERROR_INVALID_HANDLE  # a guessed token
+        assert ask(gpu, request.pack(fake_gpu.OP_IMPORT_FD, 0, 0, 0)) == fake_gpu.CUDA_ERROR_INVALID_HANDLE  # no fd at all
+        assert gpu.stats(0) == gpu.stats(1) == {"used": 0, "peak": 0, "allocs": 0, "frees": 0, "reserved": 0, "total": 1024 << 20}
+        assert gpu.processes(0) == {}
+        with pytest.raises(FakeGpuError, match="answered 101"):
+            gpu.stats(5)
+    assert not gpu.socket.exists()  # stopped, it leaves no socket for a library to find
+
+
+def test_a_card_it_cannot_be_is_refused_at_start(tmp_path: Path) -> None:
+    for devices, mib in ((0, 1024), (17, 1024), (1, 0)):
+        done = subprocess.run([sys.executable, "-m", "kai_isolator.shared.fake_gpu", f"--socket={tmp_path / 's'}",
+                               f"--devices={devices}", f"--total-mib={mib}"], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 2 and "a fake GPU needs 1..16 devices" in done.stderr
+    with pytest.raises(FakeGpuError, match="did not start"):
+        FakeGpu(tmp_path / "driver", devices=0).start(timeout_s=10)
+
+
+def test_a_driver_that_is_not_built_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FakeGpuError, match="the fake driver is not built"):
+        FakeGpu(tmp_path / "driver", build=tmp_path / "nowhere").start()
