@@ -14,7 +14,7 @@ CUDA_HEADERS := $(CUDA_HOME)/include/cuda.h
 endif
 export CUDA_HOME
 
-.PHONY: test run hami-core bench clean contract contract-tools control-plane images real-node docs
+.PHONY: test run hami-core bench clean contract contract-tools control-plane images real-node kai docs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,7 +29,9 @@ $(abspath $(CUDA_WHEEL_DIR))/nvidia/cu13/include/cuda.h: | $(STAMP)
 hami-core: $(CUDA_HEADERS)
 	$(MAKE) -C hami-core CUDA_HOME=$(CUDA_HOME)
 
-test: $(STAMP) hami-core contract-tools control-plane real-node
+# tests/kai runs these of KAI-Scheduler's programs (a target-specific value: `kai` below builds only them for `test`).
+test: KAI_PROGRAMS = admission scheduler binder podgrouper
+test: $(STAMP) hami-core contract-tools control-plane real-node kai
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The event contract (docs/events): regenerate it from the code; build its validator and example subscribers.
@@ -60,6 +62,12 @@ images: $(STAMP) hami-core control-plane
 # with its runc shim and ctr, and the CNI loopback plugin, cached the same way; runc is Debian's (`apt-get install runc`).
 real-node: control-plane
 	$(BIN)/python -m kai_isolator.services.devcluster.build --real-node
+
+# The real KAI-Scheduler's programs (scheduler, binder, admission, resourcereservation, podgrouper, queuecontroller,
+# podgroupcontroller), built from its source archive beside the checkout (../shared/third_party/kai-scheduler/, or
+# KAI_ISOLATOR_KAI_SOURCE) into the same cache, keyed by the archive's sha256 and the Go version; KAI_PROGRAMS picks some.
+kai: $(STAMP)
+	$(BIN)/python -m kai_isolator.services.devcluster.build --kai $(KAI_PROGRAMS)
 
 run: $(STAMP) hami-core control-plane
 	$(BIN)/kai-isolator dev --demo

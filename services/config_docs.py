@@ -52,6 +52,8 @@ OTHER_ENV: dict[str, str] = {
     "DOCKER_HOST": "the Docker engine `make images` and the compose tests use; unset, the system's, else `.ci/dockerd`'s private one",
     "GOFLAGS": "kept for the builds of the control plane and the real node, which add `-p=2 -trimpath -buildvcs=false -mod=readonly`",
     "KAI_ISOLATOR_DOCKER_STATE": "where `.ci/dockerd` keeps its engine (default `~/.cache/kai-isolator/docker`)",
+    "KAI_ISOLATOR_KAI_SOURCE": "the KAI-Scheduler source archive `make kai` builds from (default: the one in "
+                               "`../shared/third_party/kai-scheduler/` beside the checkout)",
     "KAI_ISOLATOR_KUBE_CACHE": "where the built etcd, kube-apiserver, kubectl, promtool and real-node binaries are cached "
                                "(default `~/.cache/kai-isolator/kube`)",
     "KUBECONFIG": "the kubeconfig the watcher (without `--kubeconfig`, outside a cluster) and `kubectl isolator` read",
@@ -73,6 +75,8 @@ _ENV_READS = (
     re.compile(r"""\bgetenv\(\s*["']([A-Z][A-Z0-9_]*)["']"""),
     re.compile(r"""\b(?:environ|env)\[\s*["']([A-Z][A-Z0-9_]*)["']\s*\](?!\s*=[^=])"""),
     re.compile(r"""["']([A-Z][A-Z0-9_]*)["']\s+(?:not\s+)?in\s+(?:os\.)?(?:environ|env)\b"""),
+    # A name of ours spelt whole as a constant is read through it (`KAI_SOURCE_ENV = "KAI_ISOLATOR_KAI_SOURCE"`).
+    re.compile(r"""["'](KAI_ISOLATOR_[A-Z0-9_]*[A-Z0-9])["']"""),
 )
 
 
@@ -251,6 +255,8 @@ def env_reads(roots: Sequence[Path], base: Path = PACKAGE_ROOT) -> dict[str, lis
     found: dict[str, set[str]] = {}
     for root in roots:
         for path in sorted(root.rglob("*.py")):
+            if path.resolve() == Path(__file__).resolve():  # OTHER_ENV's own keys are not reads
+                continue
             text = path.read_text()
             for pattern in _ENV_READS:
                 for name in pattern.findall(text):
@@ -260,7 +266,8 @@ def env_reads(roots: Sequence[Path], base: Path = PACKAGE_ROOT) -> dict[str, lis
 
 def other_env_section(roots: Sequence[Path], base: Path = PACKAGE_ROOT) -> list[str]:
     """The table of OTHER_ENV, checked against what the code under `roots` reads."""
-    reads = env_reads(roots, base)
+    settings = {env_name(cls, field) for cls in settings_classes() for field in cls.model_fields}
+    reads = {name: paths for name, paths in env_reads(roots, base).items() if name not in settings}
     undescribed = sorted(set(reads) - set(OTHER_ENV))
     gone = sorted(set(OTHER_ENV) - set(reads))
     if undescribed or gone:

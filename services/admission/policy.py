@@ -20,6 +20,8 @@ ESCAPE_CAPABILITIES = frozenset({"ALL", "SYS_ADMIN", "SYS_PTRACE", "SYS_MODULE"}
 # The NVIDIA container runtime's device selector, and the values that give a container no GPU.
 DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 NO_DEVICES = frozenset({"", "void", "none"})
+# The annotation naming KAI-Scheduler's per-pod ConfigMaps (`<it>-<index>`, `<it>-<index>-evar`).
+KAI_CONFIGMAP_ANNOTATION = "runai/shared-gpu-configmap"
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ ALLOWED = Verdict(True)
 
 def findings(view: PodView, target: Target, desired: Desired, config: InjectionConfig) -> list[str]:
     """Every escape attempt in the pod as it was submitted, one line each."""
-    found = _target_findings(target, desired, config)
+    found = _target_findings(target, desired, config, view.annotations)
     found += _other_container_findings(view, target)
     found += _seccomp_findings(view, target)
     found += _volume_findings(view.volumes or [], desired, config)
@@ -43,7 +45,7 @@ def findings(view: PodView, target: Target, desired: Desired, config: InjectionC
     return found
 
 
-def _target_findings(target: Target, desired: Desired, config: InjectionConfig) -> list[str]:
+def _target_findings(target: Target, desired: Desired, config: InjectionConfig, view_annotations: dict[str, str]) -> list[str]:
     name, container = target.name, target.container
     found: list[str] = []
     managed = desired.env_named
@@ -58,9 +60,10 @@ def _target_findings(target: Target, desired: Desired, config: InjectionConfig) 
                 found.append(f"container {name} sets {var} itself (the webhook owns it)")
         elif var in GRANT_ENV or (var.startswith(PER_DEVICE_LIMIT_PREFIX) and var[len(PER_DEVICE_LIMIT_PREFIX):].isdigit()):
             found.append(f"container {name} sets {var}, which would move the limits, devices or accounting the node's grant fixes")
-    if container.get("envFrom"):
+    foreign = foreign_env_from(container.get("envFrom"), kai_env_from(view_annotations, target))
+    if foreign:
         # The webhook cannot see what a ConfigMap or Secret will hold at start: it may set any of the above.
-        found.append(f"container {name} takes env from envFrom sources the webhook cannot check")
+        found.append(f"container {name} takes env from envFrom sources the webhook cannot check ({', '.join(foreign)})")
     security = _object(container.get("securityContext"))
     if security.get("privileged") is True:
         found.append(f"container {name} is privileged and would see every GPU")
@@ -82,6 +85,53 @@ def _target_findings(target: Target, desired: Desired, config: InjectionConfig) 
         elif is_within(path, GRANT_MOUNT_PATH):
             found.append(f"container {name} mounts volume {mount.get('name')} over its grant directory at {path}")
     return found
+
+
+def kai_env_from(annotations: dict[str, str], target: Target) -> Json | None:
+    """The one envFrom KAI-Scheduler's admission (gpusharing) gives the fraction container, or None before it named
+    its ConfigMaps: `<runai/shared-gpu-configmap>-<index>-evar` (`i<index>` for an init container), not optional.
+
+    Accepting it trusts nothing in it: the tenant may write that annotation itself, and may edit (or create first) a
+    ConfigMap of that name in its namespace, so what it holds is the tenant's, like any env. It is accepted because
+    KAI needs it, and because the target runs under the node's grant, which the webhook mounts on this very container:
+    there libvgpu.so takes limits, devices and accounting from grant.json and reads from the environment only
+    VGPU_GRANT_WAIT_SECONDS (how long to wait for the grant; the outcome is fail-closed either way) and
+    LIBCUDA_LOG_LEVEL. What else the env still moves is not the library's: LD_PRELOAD and LD_AUDIT (ld.so), which
+    the tenant can set in its own command line anyway and which the node's enforcer answers, and NVIDIA_VISIBLE_DEVICES
+    (the container runtime), which KAI's own `env` entry for that name overrides once KAI has admitted the pod (env
+    wins over envFrom); a pod KAI never admits gets no grant from the node agent, so its library refuses every
+    allocation on whatever device it names.
+    """
+    prefix = annotations.get(KAI_CONFIGMAP_ANNOTATION)
+    if not prefix:
+        return None
+    index = f"i{target.index}" if target.is_init else str(target.index)
+    return {"configMapRef": {"name": f"{prefix}-{index}-evar", "optional": False}}
+
+
+def foreign_env_from(sources: object, kais: Json | None) -> list[str]:
+    """Each envFrom source that is not exactly KAI's, as `configMapRef <name>` / `secretRef <name>` (`prefix` noted)."""
+    if not isinstance(sources, list):
+        return [] if not sources else ["unreadable envFrom"]
+    foreign: list[str] = []
+    for source in sources:
+        if kais is not None and isinstance(source, dict) and same(source, kais):
+            continue
+        foreign.append(_describe_source(source))
+    return foreign
+
+
+def _describe_source(source: object) -> str:
+    if not isinstance(source, dict):
+        return "an unreadable source"
+    for kind in ("configMapRef", "secretRef"):
+        ref = source.get(kind)
+        if isinstance(ref, dict):
+            text = f"{kind} {ref.get('name')}"
+            if ref.get("optional") is True:
+                text += " (optional)"
+            return text + (f" with prefix {source['prefix']!r}" if source.get("prefix") else "")
+    return "a source of no known kind"
 
 
 def _other_container_findings(view: PodView, target: Target) -> list[str]:

@@ -1,9 +1,10 @@
 """Builds the local control plane (etcd, kube-apiserver, kubectl), promtool, and for the real node its kubelet,
-runtime and CNI plugin, from the pinned Go modules in `go/`, once.
+runtime and CNI plugin, from the pinned Go modules in `go/`, once; and the real KAI-Scheduler from its source archive.
 
 The binaries land in a cache outside the repo (`~/.cache/kai-isolator/kube/<component>-<version>-<digest>/`),
 keyed by the module files, so a second run, or another checkout, reuses them. `python -m kai_isolator.services.devcluster.build`
-builds what is missing and prints the paths (`--real-node` adds the node's programs); `make test` runs it first.
+builds what is missing and prints the paths (`--real-node` adds the node's programs, `--kai [PROGRAM...]` KAI's);
+`make test` runs it first.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -156,28 +158,46 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _count_packages(component: Component, env: dict[str, str]) -> int:
-    done = subprocess.run([_go(), "list", "-deps", *component.tag_flags(), *component.packages], cwd=component.folder, env=env,
+def _count_packages(component: Component, env: dict[str, str], cwd: Path, packages: tuple[str, ...]) -> int:
+    done = subprocess.run([_go(), "list", "-deps", *component.tag_flags(), *packages], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
-        raise BuildError(f"go list in {component.folder} failed:\n{done.stderr.strip()}")
+        raise BuildError(f"go list in {cwd} failed:\n{done.stderr.strip()}")
     return len(done.stdout.split())
 
 
 def _build(component: Component, target: Path, log: TextIO) -> None:
-    env = _go_env(component)
-    total = _count_packages(component, env)
     scratch = Path(tempfile.mkdtemp(prefix=f".{component.name}-", dir=target.parent))
     started = time.monotonic()
+    try:
+        _run_go_build(component, component.folder, component.packages, component.ldflags(), scratch, log, started)
+        for program in component.programs():
+            if not (scratch / program).is_file():
+                raise BuildError(f"go build of {component.name} left no {program} in {scratch}")
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    # mkdtemp made it 0700: an image that copies the cache (Dockerfile.devcluster) runs it as a non-root user.
+    scratch.chmod(0o755)
+    os.replace(scratch, target)  # atomic: a reader sees the whole entry or none
+    print(f"built {component.name} {component.version} ({', '.join(component.programs())}) in "
+          f"{time.monotonic() - started:.0f}s -> {target}", file=log, flush=True)
+
+
+def _run_go_build(component: Component, cwd: Path, packages: tuple[str, ...], ldflags: str, out: Path, log: TextIO,
+                  started: float) -> None:
+    """`go build -o out/ packages` in `cwd`, niced, with a progress line every PROGRESS_EVERY_S seconds."""
+    env = _go_env(component)
+    total = _count_packages(component, env, cwd, packages)
     compiled = 0
     lines: list[str] = []
-    command = ["nice", "-n", "10", _go(), "build", "-v", "-ldflags", component.ldflags(), *component.tag_flags(), "-o", str(scratch) + "/", *component.packages]
-    process = subprocess.Popen(command, cwd=component.folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command = ["nice", "-n", "10", _go(), "build", "-v", "-ldflags", ldflags, *component.tag_flags(), "-o", str(out) + "/", *packages]
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stop = threading.Event()
 
     def report() -> None:  # a line while it builds: the first build takes many minutes
         while not stop.wait(PROGRESS_EVERY_S):
-            print(f"  building {component.name} {component.version}: {compiled}/{total} packages compiled, "
+            print(f"  building {component.name}: {compiled}/{total} packages compiled, "
                   f"{time.monotonic() - started:.0f}s", file=log, flush=True)
 
     reporter = threading.Thread(target=report, daemon=True)
@@ -192,18 +212,8 @@ def _build(component: Component, target: Path, log: TextIO) -> None:
         stop.set()
         reporter.join()
     if rc != 0:
-        shutil.rmtree(scratch, ignore_errors=True)
         tail = "".join(lines[-40:])
-        raise BuildError(f"go build of {component.name} {component.version} in {component.folder} exited {rc}:\n{tail}")
-    for program in component.programs():
-        if not (scratch / program).is_file():
-            shutil.rmtree(scratch, ignore_errors=True)
-            raise BuildError(f"go build of {component.name} left no {program} in {scratch}")
-    # mkdtemp made it 0700: an image that copies the cache (Dockerfile.devcluster) runs it as a non-root user.
-    scratch.chmod(0o755)
-    os.replace(scratch, target)  # atomic: a reader sees the whole entry or none
-    print(f"built {component.name} {component.version} ({', '.join(component.programs())}) in "
-          f"{time.monotonic() - started:.0f}s -> {target}", file=log, flush=True)
+        raise BuildError(f"go build of {component.name} in {cwd} exited {rc}:\n{tail}")
 
 
 def ensure(component: Component, log: TextIO = sys.stderr) -> Path:
@@ -276,10 +286,165 @@ def _timed(component: Component, log: TextIO) -> Path:
     return target
 
 
+# KAI-Scheduler is published to us as a source archive (the Go module proxy does not serve it), kept outside the
+# repository beside it (`../shared/third_party/kai-scheduler/`); KAI_ISOLATOR_KAI_SOURCE names another archive.
+KAI_SOURCE_ENV = "KAI_ISOLATOR_KAI_SOURCE"
+KAI_THIRD_PARTY = Path("shared") / "third_party" / "kai-scheduler"
+KAI_MODULE = "github.com/kai-scheduler/KAI-scheduler"
+# The programs a KAI install runs besides its operator, as `cmd/<name>` of the source tree.
+KAI_PROGRAMS = ("scheduler", "binder", "admission", "resourcereservation", "podgrouper", "queuecontroller", "podgroupcontroller")
+
+
+@dataclass(frozen=True)
+class SourceArchive:
+    """A Go source tree published as a tar.gz (KAI-Scheduler), and the `cmd/<program>` binaries built from it.
+
+    Keyed by the archive's sha256 and the Go toolchain, not by a module version: the archive is the only truth.
+    One cache entry holds every program built so far, each added when first asked for, so a test that runs only
+    KAI's admission does not wait for the scheduler to compile.
+    """
+
+    name: str
+    archive: Path
+    module: str  # the module path go.mod declares, checked after unpacking
+    version_package: str  # where the program's version variables live (`-X` at link time)
+    programs_available: tuple[str, ...]
+
+    @property
+    def version(self) -> str:
+        # `kai-scheduler-d5bc503.tar.gz`: the commit it was cut from, the only version the archive names.
+        found = re.fullmatch(rf"{re.escape(self.name)}-([0-9a-zA-Z._-]+)\.tar\.gz", self.archive.name)
+        if found is None:
+            raise BuildError(f"{self.archive}: expected a file named {self.name}-<commit>.tar.gz")
+        return found.group(1)
+
+    def archive_sha256(self) -> str:
+        if not self.archive.is_file():
+            raise BuildError(f"no KAI-Scheduler source archive at {self.archive}: put it there or set {KAI_SOURCE_ENV}")
+        sha = hashlib.sha256()
+        with open(self.archive, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                sha.update(chunk)
+        return sha.hexdigest()
+
+    def ldflags(self) -> str:
+        # What KAI's build/makefile/golang.mk stamps, from what the archive tells (no git history in it).
+        return " ".join(["-s", "-w", f"-X {self.version_package}.gitCommit={self.version}",
+                         f"-X {self.version_package}.gitVersion={self.version}", f"-X {self.version_package}.gitTreeState=clean"])
+
+    def digest(self) -> str:
+        sha = hashlib.sha256(f"{self.archive_sha256()}\0{_go_version()}\0{self.ldflags()}".encode())
+        return sha.hexdigest()[:12]
+
+    def packages(self, programs: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [p for p in programs if p not in self.programs_available]
+        if unknown:
+            raise BuildError(f"{self.name} has no program {', '.join(unknown)}; it has {', '.join(self.programs_available)}")
+        return tuple(f"./cmd/{p}" for p in programs)
+
+
+def kai_archive() -> Path:
+    """The KAI-Scheduler source archive: KAI_ISOLATOR_KAI_SOURCE, else the one beside this checkout (or beside the
+    main checkout when this is a git worktree)."""
+    explicit = os.environ.get(KAI_SOURCE_ENV)
+    if explicit:
+        return Path(explicit)
+    repo = Path(__file__).resolve().parents[2]
+    roots = [repo.parent]
+    common = _git_common_dir(repo)
+    if common is not None and common.parent.parent != repo.parent:
+        roots.append(common.parent.parent)
+    for root in roots:
+        found = sorted((root / KAI_THIRD_PARTY).glob("kai-scheduler-*.tar.gz"))
+        if found:
+            return found[-1]
+    raise BuildError(f"no kai-scheduler-<commit>.tar.gz in {' or '.join(str(r / KAI_THIRD_PARTY) for r in roots)}; "
+                     f"set {KAI_SOURCE_ENV} to the archive")
+
+
+def _git_common_dir(repo: Path) -> Path | None:
+    """A worktree's main repository's `.git`, where `.git` is a file pointing into it."""
+    dot_git = repo / ".git"
+    if not dot_git.is_file():
+        return None
+    found = re.match(r"gitdir: (.+)", dot_git.read_text().strip())
+    if found is None:
+        return None
+    gitdir = Path(found.group(1))  # <main>/.git/worktrees/<name>
+    return gitdir.parent.parent if gitdir.parent.name == "worktrees" else None
+
+
+def kai_source() -> SourceArchive:
+    return SourceArchive("kai-scheduler", kai_archive(), KAI_MODULE, f"{KAI_MODULE}/pkg/scheduler/version", KAI_PROGRAMS)
+
+
+def _go_version() -> str:
+    done = subprocess.run([_go(), "env", "GOVERSION"], capture_output=True, text=True, timeout=60, env=_local_toolchain_env())
+    if done.returncode != 0 or not done.stdout.strip():
+        raise BuildError(f"`go env GOVERSION` failed: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def _local_toolchain_env() -> dict[str, str]:
+    return {**os.environ, "GOTOOLCHAIN": "local"}
+
+
+def kai_entry(source: SourceArchive) -> Path:
+    return cache_root() / f"{source.name}-{source.version}-{source.digest()}"
+
+
+def _unpack(source: SourceArchive, into: Path) -> Path:
+    """The archive's one top folder, unpacked under `into`, with its go.mod checked to be the module expected."""
+    with tarfile.open(source.archive) as tar:
+        tar.extractall(into, filter="data")  # refuses links and paths that leave `into`
+    tops = [p for p in into.iterdir() if p.is_dir()]
+    if len(tops) != 1 or not (tops[0] / "go.mod").is_file():
+        raise BuildError(f"{source.archive}: expected one top folder with a go.mod, found {[p.name for p in into.iterdir()]}")
+    declared = re.search(r"^module (\S+)$", (tops[0] / "go.mod").read_text(), re.M)
+    if declared is None or declared.group(1) != source.module:
+        raise BuildError(f"{source.archive}: go.mod declares {declared.group(1) if declared else 'no module'}, not {source.module}")
+    return tops[0]
+
+
+def ensure_kai(programs: tuple[str, ...] = KAI_PROGRAMS, log: TextIO = sys.stderr) -> Path:
+    """The cache entry holding KAI-Scheduler's `programs`, the missing ones built first from the source archive."""
+    source = kai_source()
+    target = kai_entry(source)
+    packages = source.packages(programs)
+    if all((target / p).is_file() for p in programs):
+        return target
+    with _locked(target.with_name(target.name + ".lock")):
+        missing = tuple(p for p in programs if not (target / p).is_file())
+        if not missing:
+            return target
+        target.mkdir(parents=True, exist_ok=True)
+        target.chmod(0o755)
+        print(f"building {source.name} {source.version} ({', '.join(missing)}) from {source.archive} into {target} "
+              "(once per archive; the first build takes minutes)", file=log, flush=True)
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix=f".{source.name}-src-", dir=target.parent) as scratch:
+            tree = _unpack(source, Path(scratch) / "src")
+            out = Path(scratch) / "bin"
+            out.mkdir()
+            # The archive's go.sum is the only truth for what gets downloaded, as for the pinned modules.
+            build = Component(source.name, tree, source.module, packages)
+            _run_go_build(build, tree, packages, source.ldflags(), out, log, started)
+            for program in missing:
+                built = out / program
+                if not built.is_file():
+                    raise BuildError(f"go build of {source.name} left no {program} in {out}")
+                os.replace(built, target / program)  # atomic per program: a reader sees it whole or not at all
+        print(f"built {source.name} {source.version} ({', '.join(missing)}) in {time.monotonic() - started:.0f}s -> {target}",
+              file=log, flush=True)
+    return target
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--kai"]:
+        return _main_kai(tuple(args[1:]) or KAI_PROGRAMS)
     if args not in ([], ["--real-node"]):
-        print("usage: python -m kai_isolator.services.devcluster.build [--real-node]", file=sys.stderr)
+        print("usage: python -m kai_isolator.services.devcluster.build [--real-node | --kai [PROGRAM...]]", file=sys.stderr)
         return 2
     started = time.monotonic()
     try:
@@ -297,6 +462,18 @@ def main(argv: list[str] | None = None) -> int:
     except BuildError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _main_kai(programs: tuple[str, ...]) -> int:
+    """KAI-Scheduler's programs only: no control plane needed to build them."""
+    started = time.monotonic()
+    try:
+        target = ensure_kai(programs)
+    except BuildError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"kai-scheduler ready in {time.monotonic() - started:.1f}s: {', '.join(programs)} in {target}", flush=True)
     return 0
 
 

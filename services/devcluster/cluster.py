@@ -37,8 +37,9 @@ NAMESPACE_OPT_OUT = {"matchExpressions": [{"key": OPT_OUT_LABEL, "operator": "No
 # Where dry-run probes show a new webhook configuration is in force: KAI's alone, and ours.
 PROBE_NAMESPACE = "kai-isolator-devcluster-probe"
 WEBHOOK_PROBE_NAMESPACE = "kai-isolator-devcluster"
-_GROUPS = {"mutatingwebhookconfigurations": "/apis/admissionregistration.k8s.io/v1", "leases": "/apis/coordination.k8s.io/v1"}
-_CLUSTER_SCOPED = {"nodes", "namespaces", "mutatingwebhookconfigurations"}
+_GROUPS = {"mutatingwebhookconfigurations": "/apis/admissionregistration.k8s.io/v1", "leases": "/apis/coordination.k8s.io/v1",
+           "runtimeclasses": "/apis/node.k8s.io/v1"}
+_CLUSTER_SCOPED = {"nodes", "namespaces", "mutatingwebhookconfigurations", "runtimeclasses"}
 
 
 def resource_path(plural: str, namespace: str | None = None, name: str | None = None, subresource: str = "") -> str:
@@ -84,6 +85,9 @@ class DevCluster:
                 self.startup_s.update(self.plane.startup_s)
             self.api = AsyncApi(self.plane.url, self.plane.workdir / "ca.crt", self.plane.workdir / "admin.crt", self.plane.workdir / "admin.key")
             await self.ensure_namespace("default")
+            # KAI's admission gives GPU-sharing pods the `nvidia` runtime class, which a GPU Operator cluster defines.
+            if self.kai_admission.options.runtime_class:
+                await self.ensure_runtime_class(self.kai_admission.options.runtime_class)
             await self.kai_admission.start()
             await self.api.request("POST", resource_path("mutatingwebhookconfigurations"), self.kai_admission.configuration())
             await self.ensure_namespace(PROBE_NAMESPACE, {OPT_OUT_LABEL: "ignore"})
@@ -211,6 +215,14 @@ class DevCluster:
             if time.monotonic() > deadline:
                 raise ControlPlaneError(f"{plural} {namespace}/{name} still there after {timeout_s:.0f}s")
             await asyncio.sleep(0.02)
+
+    async def ensure_runtime_class(self, name: str, handler: str | None = None) -> None:
+        body = {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": name}, "handler": handler or name}
+        try:
+            await self.request("POST", resource_path("runtimeclasses"), body)
+        except ApiCallError as error:
+            if error.code != 409:
+                raise
 
     async def ensure_namespace(self, name: str, labels: dict[str, str] | None = None) -> None:
         """A namespace and its `default` ServiceAccount (which the absent controller-manager would create)."""

@@ -85,7 +85,8 @@ class RealNodeCluster:
         await self._timed("fake GPU ledger", asyncio.to_thread(self.node.wait_for_path, "fake-gpu", self.gpu.ledger_socket))
         self.node.spawn("device-plugin", self.gpu.device_plugin_command())
         await self._timed("node ready", self._until_ready())
-        await self.cluster.request("POST", "/apis/node.k8s.io/v1/runtimeclasses", self.gpu.runtime_class())
+        runtime_class = self.gpu.runtime_class()
+        await self.cluster.ensure_runtime_class(runtime_class["metadata"]["name"], runtime_class["handler"])
         assert self.cluster.scheduler is not None
         self.cluster.scheduler.only_kai_pods = True
         self.cluster.scheduler.nodes[NODE_NAME] = GPU_MEMORY_MIB

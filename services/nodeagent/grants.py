@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
+KAI_CONFIGMAP_ANNOTATION = "runai/shared-gpu-configmap"  # KAI's admission names every GPU-sharing pod's ConfigMaps here
 CDI_GPU_PREFIX = "k8s.device-plugin.nvidia.com/gpu="
 _DEVICE_ID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9/-]+$")
 # What may become one path component of the grant dir: a pod uid and a DNS-label container name.
@@ -135,8 +136,10 @@ def decide(pod: Obj, container: Obj, inputs: Inputs) -> Decision:
         return Decision(name, None, (Reason(code="configmap-missing", message=f"ConfigMap {which} not found (yet)"),), retry=True)
     configmap_limit = annotation_limit = None
     devices: tuple[str, ...] = ()
+    if inputs.limit is None and inputs.devices is None and KAI_CONFIGMAP_ANNOTATION not in (meta.get("annotations") or {}):
+        return Decision(name, None, (_not_admitted_by_kai(pod, name),))
     if inputs.limit is None:
-        reasons.append(Reason(code="limit-missing", message=f"{LIMIT_ENV} is not set for container {name} (KAI's binder wrote no limit)"))
+        reasons.append(Reason(code="limit-missing", message=_why_no_limit(container, name)))
     else:
         try:
             configmap_limit = parse_limit(inputs.limit)
@@ -176,6 +179,24 @@ def decide(pod: Obj, container: Obj, inputs: Inputs) -> Decision:
         configmap_limit_bytes=configmap_limit, annotation_limit_bytes=annotation_limit, reason=why,
     )
     return Decision(name, grant, tuple(reasons), configmap_limit, annotation_limit)
+
+
+def _not_admitted_by_kai(pod: Obj, name: str) -> Reason:
+    """A GPU-sharing annotation that KAI-Scheduler never acted on: KAI admits only pods naming its scheduler, and always
+    names their ConfigMaps (`runai/shared-gpu-configmap`). No GPU share was allocated, so there is nothing to grant."""
+    scheduler = (pod.get("spec") or {}).get("schedulerName") or "default-scheduler"
+    return Reason(code="not-admitted-by-kai", message=(
+        f"the pod asks for a GPU share ({_request(pod.get('metadata') or {})}) but KAI-Scheduler did not admit it "
+        f"(schedulerName {scheduler!r}, no {KAI_CONFIGMAP_ANNOTATION} annotation): no GPU share was allocated to container "
+        f"{name}, so it gets no grant and every GPU allocation in it fails; set schedulerName: kai-scheduler"))
+
+
+def _why_no_limit(container: Obj, name: str) -> str:
+    if env_ref(container, LIMIT_ENV) is None:
+        return (f"{LIMIT_ENV} is not set for container {name}: KAI's admission gave it none, as KAI does with its hamicore "
+                "plugin off (binder.plugins.hamicore.enabled=false), so there is no limit to grant")
+    return (f"{LIMIT_ENV} is not set for container {name}: KAI's binder wrote none into its ConfigMap, as it does when the "
+            f"node's {GPU_MEMORY_NODE_LABEL} label is missing or not a MiB count")
 
 
 def _request(meta: Obj) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 from kai_isolator.services.devcluster.kai import GPU_MEMORY_LABEL, HOSTNAME_LABEL, kai_admit, limit_configmap
 from kai_isolator.services.devcluster.kubelet import finished_status, running_status
-from kai_isolator.services.devcluster.plane import ApiClient, ControlPlane
+from kai_isolator.services.devcluster.plane import ApiCallError, ApiClient, ControlPlane
 
 
 def kai_bind(plane: ControlPlane, pod: dict[str, Any], node: str, gpu_memory_mib: int) -> None:
@@ -37,6 +37,13 @@ class GpuNode:
                 "metadata": {"name": name, "labels": {HOSTNAME_LABEL: name, GPU_MEMORY_LABEL: str(gpu_memory_mib), "nvidia.com/gpu.count": "1"}},
                 "status": {"capacity": {"cpu": "16", "memory": "128Gi", "pods": "110", "nvidia.com/gpu": "1"}}}
         self.api.request("POST", "/api/v1/nodes", node)
+        # The GPU Operator's runtime class, which KAI's admission gives every GPU-sharing pod.
+        try:
+            plane.request("POST", "/apis/node.k8s.io/v1/runtimeclasses",
+                          {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": "nvidia"}, "handler": "nvidia"})
+        except ApiCallError as error:
+            if error.code != 409:
+                raise
 
     def _status(self, pod: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
         path = f"/api/v1/namespaces/{pod['metadata']['namespace']}/pods/{pod['metadata']['name']}/status"

@@ -8,7 +8,8 @@ runs on the cluster in these tests. Kubernetes is the real API server: `dev_clus
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import nats.js.errors
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
+from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.shared import subjects
 from kai_isolator.shared.embedded_nats import ClusterMember, EmbeddedCluster
 from kai_isolator.shared.settings import BusSettings
@@ -74,7 +76,8 @@ def gpu_pod(name: str, node: str = "gpu-node-1") -> dict[str, Any]:
     Bound by the simulated KAI scheduler to the node its nodeSelector names; KAI's admission adds the limit env.
     """
     return {"metadata": {"name": name, "annotations": {"gpu-memory": "4096"}},
-            "spec": {"containers": [{"name": "main", "image": "busybox"}], "nodeSelector": {"kubernetes.io/hostname": node}}}
+            "spec": {"schedulerName": "kai-scheduler", "containers": [{"name": "main", "image": "busybox"}],
+                     "nodeSelector": {"kubernetes.io/hostname": node}}}
 
 
 async def stream_events(url: str, filter_subject: str) -> list[Any]:
@@ -117,3 +120,13 @@ async def lease_holder(url: str, key: str) -> str | None:
         return LeaseRecord.model_validate_json(entry.value).holder if entry.value else None
     finally:
         await nc.close()
+
+
+@pytest.fixture
+async def dev_cluster(dev_cluster: DevCluster) -> AsyncIterator[DevCluster]:
+    """`dev_cluster` with the simulated KAI's per-GPU booking off: these tests run more 4096 MiB pods on one simulated
+    T4 than KAI would place (three), and test something else (tests/integration/devcluster/test_kai_simulation.py
+    tests the booking)."""
+    assert dev_cluster.scheduler is not None
+    dev_cluster.scheduler.options = dataclasses.replace(dev_cluster.scheduler.options, book_capacity=False)
+    yield dev_cluster

@@ -59,7 +59,7 @@ async def test_kubectl_create_gets_kai_admission_then_binding_then_running(dev_c
     assert reference["name"] == running["metadata"]["annotations"][CONFIGMAP_ANNOTATION] + "-0"
     configmap = await dev_cluster.get("configmaps", "default", reference["name"])
     # The seed's arithmetic: 4096 MiB of a 15360 MiB card is portion 0.27, and int(15360 x 0.27) MiB.
-    assert configmap["data"] == {LIMIT_ENV: "4147m", "GPU_PORTION": "0.27", "NVIDIA_VISIBLE_DEVICES": fake_gpu_uuid(0)}
+    assert configmap["data"] == {LIMIT_ENV: "4147m", "GPU_PORTION": "0.27", "RUNAI_NUM_OF_GPUS": "0.27", "NVIDIA_VISIBLE_DEVICES": fake_gpu_uuid(0)}
     assert configmap["metadata"]["ownerReferences"][0]["uid"] == running["metadata"]["uid"]
     statuses = running["status"]["containerStatuses"]
     assert statuses[0]["containerID"].startswith("containerd://") and statuses[0]["state"]["running"]
@@ -68,7 +68,8 @@ async def test_kubectl_create_gets_kai_admission_then_binding_then_running(dev_c
 async def test_kai_admission_refuses_a_pod_whose_fraction_container_is_missing(dev_cluster: DevCluster) -> None:
     with pytest.raises(ApiCallError) as refused:
         await dev_cluster.create("pods", gpu_pod("no-target", {"gpu-fraction-container-name": "sidecar"}))
-    assert refused.value.code == 400 and "container with name sidecar not found for fraction request" in str(refused.value)
+    # controller-runtime's Denied (403) with the gpusharing plugin's message, as the real KAI answers (tests/kai).
+    assert refused.value.code == 403 and "container with name sidecar not found for fraction request" in str(refused.value)
 
 
 async def test_plain_pods_meet_neither_kai_nor_a_scheduler(dev_cluster: DevCluster) -> None:

@@ -105,7 +105,7 @@ async def keepers(api: client.ApiClient, tmp_path: Path) -> AsyncIterator[Keeper
 
 
 def gpu_pod(name: str, *, node: str | None = None, selector: str | None = NODE, configmap: str | None = None, **annotations: str) -> dict[str, Any]:
-    spec: dict[str, Any] = {"containers": [{"name": "main", "image": "x"}]}
+    spec: dict[str, Any] = {"schedulerName": "kai-scheduler", "containers": [{"name": "main", "image": "x"}]}  # KAI admits only its own
     if node:
         spec["nodeName"] = node
     elif selector:

@@ -4,6 +4,7 @@ and a watcher factory on the real bus, plus waits for what only an API call can 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -87,10 +88,20 @@ def gpu_pod(name: str, *, node: str | None = "gpu-node-1", annotations: dict[str
     registered on `dev_cluster`, so the mount stands for its work); `node=None` leaves it unschedulable, Pending."""
     container: dict[str, Any] = {"name": "main", "image": "busybox"}
     spec: dict[str, Any] = {"containers": [container]}
-    if node:
+    if node:  # KAI's (it admits only pods that name its scheduler), placed on `node`
+        spec["schedulerName"] = "kai-scheduler"
         spec["nodeSelector"] = {"kubernetes.io/hostname": node}
     if injected:
         spec["volumes"] = [{"name": "kai-resource-isolator-vgpu", "hostPath": {"path": "/usr/local/vgpu", "type": "Directory"}}]
         container["volumeMounts"] = [{"name": "kai-resource-isolator-vgpu", "mountPath": "/etc/ld.so.preload", "subPath": "ld.so.preload", "readOnly": True}]
     return {"metadata": {"name": name, "annotations": {"gpu-memory": "4096", **(annotations or {})}, **extra}, "spec": spec}
 
+
+@pytest.fixture
+async def dev_cluster(dev_cluster: DevCluster) -> AsyncIterator[DevCluster]:
+    """`dev_cluster` with the simulated KAI's per-GPU booking off: these tests run more 4096 MiB pods on one simulated
+    T4 than KAI would place (three), and test something else (tests/integration/devcluster/test_kai_simulation.py
+    tests the booking)."""
+    assert dev_cluster.scheduler is not None
+    dev_cluster.scheduler.options = dataclasses.replace(dev_cluster.scheduler.options, book_capacity=False)
+    yield dev_cluster

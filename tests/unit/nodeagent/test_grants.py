@@ -280,3 +280,20 @@ async def test_without_an_api_no_client_and_a_broken_config_is_a_clear_error(tmp
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
     with pytest.raises(ConfigError, match="cannot load a Kubernetes client configuration"):
         await api_client(None)  # in a pod without a service account token
+
+
+def test_a_gpu_annotation_kai_never_admitted_is_named_as_such() -> None:
+    """Under the default scheduler KAI neither names ConfigMaps nor adds env: the reason says so, not 'KAI wrote no limit'."""
+    p = pod()
+    decision = decide(p, p["spec"]["containers"][0], Inputs(None, None, "15360"))
+    assert decision.grant is None and not decision.retry and [r.code for r in decision.reasons] == ["not-admitted-by-kai"]
+    assert "schedulerName 'default-scheduler'" in decision.reasons[0].message and "set schedulerName: kai-scheduler" in decision.reasons[0].message
+
+
+def test_no_limit_env_at_all_points_at_kais_hamicore_plugin() -> None:
+    p = pod({"runai/shared-gpu-configmap": "train-abc-shared-gpu"})
+    decision = decide(p, p["spec"]["containers"][0], Inputs(None, UUID0, "15360"))
+    assert [r.code for r in decision.reasons] == ["limit-missing"] and "hamicore plugin off" in decision.reasons[0].message
+    p["spec"]["containers"][0]["env"] = [{"name": "CUDA_DEVICE_MEMORY_LIMIT", "valueFrom": {"configMapKeyRef": {"name": "x", "key": "CUDA_DEVICE_MEMORY_LIMIT"}}}]
+    decision = decide(p, p["spec"]["containers"][0], Inputs(None, UUID0, "15360"))
+    assert "wrote none into its ConfigMap" in decision.reasons[0].message

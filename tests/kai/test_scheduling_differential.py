@@ -1,0 +1,118 @@
+"""Differential at bind time: the real KAI-Scheduler's podgrouper, scheduler and binder (built from its source archive,
+the seed's flags) and our simulation's (services/devcluster/kai.py) leave the same ConfigMaps and GPU-group label for
+the same pods on a simulated 15360 MiB T4, and book its memory the same way: three `gpu-memory: "4096"` pods fit, the
+fourth stays Pending. The reservation pod's one NVML call (its GPU's UUID) is done for it: nothing runs containers here.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from kai_isolator.services.devcluster.kai import (
+    CONFIGMAP_ANNOTATION, GPU_GROUP_LABEL, GPU_MEMORY_LABEL, RECEIVED_TYPE_ANNOTATION, binder_configmaps, fake_gpu_uuid, gpu_portion,
+    node_gpu_memory_mib,
+)
+from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane
+from kai.conftest import NODES, T4_NODE
+from kai.real_kai import TENANT, RealKaiScheduling
+
+pytestmark = pytest.mark.timeout(900)  # the first run builds KAI's scheduler, binder and podgrouper (minutes)
+Obj = dict[str, Any]
+
+
+def kai_pod(name: str, inits: tuple[str, ...] = (), node: str = T4_NODE, **annotations: str) -> Obj:
+    spec: Obj = {"schedulerName": "kai-scheduler", "containers": [{"name": "main", "image": "busybox"}],
+                 "nodeSelector": {"kubernetes.io/hostname": node}}
+    if inits:
+        spec["initContainers"] = [{"name": n, "image": "busybox"} for n in inits]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "annotations": annotations}, "spec": spec}
+
+
+def bound(plane: ControlPlane, scheduling: RealKaiScheduling, name: str, timeout_s: float = 60) -> Obj:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pod: Obj = plane.request("GET", f"/api/v1/namespaces/{TENANT}/pods/{name}")
+        if pod["spec"].get("nodeName"):
+            return pod
+        scheduling.check_alive()
+        assert time.monotonic() < deadline, f"{name} not bound by the real KAI within {timeout_s:.0f}s: {pod.get('status')}"
+        time.sleep(0.2)
+
+
+def configmaps_of(plane: ControlPlane, pod: Obj) -> list[Obj]:
+    """KAI's ConfigMaps for `pod`, as (name, data, owners)."""
+    prefix = pod["metadata"]["annotations"][CONFIGMAP_ANNOTATION]
+    items = plane.request("GET", f"/api/v1/namespaces/{TENANT}/configmaps")["items"]
+    return sorted(({"name": c["metadata"]["name"], "data": c.get("data") or {},
+                    "owners": [{k: o[k] for k in ("apiVersion", "kind", "name", "uid")} for o in c["metadata"].get("ownerReferences") or []]}
+                   for c in items if c["metadata"]["name"].startswith(prefix)), key=lambda c: str(c["name"]))
+
+
+def simulated_configmaps(pod: Obj) -> list[Obj]:
+    labels = NODES[pod["spec"]["nodeName"]]
+    portion = gpu_portion(pod["metadata"]["annotations"], node_gpu_memory_mib(labels.get(GPU_MEMORY_LABEL)))
+    made = binder_configmaps(pod, labels, portion, [fake_gpu_uuid(0)])
+    return sorted(({"name": c["metadata"]["name"], "data": c.get("data") or {}, "owners": c["metadata"]["ownerReferences"]} for c in made),
+                  key=lambda c: str(c["name"]))
+
+
+def delete(plane: ControlPlane, *names: str) -> None:
+    for name in names:
+        try:
+            plane.request("DELETE", f"/api/v1/namespaces/{TENANT}/pods/{name}?gracePeriodSeconds=0")
+        except ApiCallError as error:
+            if error.code != 404:
+                raise
+
+
+CASES = {
+    "the seed's gpu-memory 4096": kai_pod("seed", **{"gpu-memory": "4096"}),
+    "gpu-fraction 0.5": kai_pod("half", **{"gpu-fraction": "0.5"}),
+    "an init-container target": kai_pod("init", inits=("setup",), **{"gpu-fraction": "0.25", "gpu-fraction-container-name": "setup"}),
+    # This KAI is from before PR #2041: 4096 of 16384 MiB is planned on 16300, so 0.26 and 4259m.
+    "gpu-memory 4096 on a 16384 MiB card": kai_pod("card-16384", node="card-16384", **{"gpu-memory": "4096"}),
+    # and from before PR #2157: with no memory label it binds a fraction and writes no limit.
+    "gpu-fraction 0.5 without a memory label": kai_pod("unlabelled", node="unlabelled", **{"gpu-fraction": "0.5"}),
+}
+
+# What the real binder writes, spelt out: (GPU_PORTION, CUDA_DEVICE_MEMORY_LIMIT or None).
+WRITTEN = {"the seed's gpu-memory 4096": ("0.27", "4147m"), "gpu-fraction 0.5": ("0.50", "7680m"),
+           "an init-container target": ("0.25", "3840m"), "gpu-memory 4096 on a 16384 MiB card": ("0.26", "4259m"),
+           "gpu-fraction 0.5 without a memory label": ("0.50", None)}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_binder_writes_what_the_simulation_writes(kai_plane: ControlPlane, kai_scheduling: RealKaiScheduling, case: str) -> None:
+    body = CASES[case]
+    kai_plane.request("POST", f"/api/v1/namespaces/{TENANT}/pods", body)
+    try:
+        pod = bound(kai_plane, kai_scheduling, body["metadata"]["name"])
+        assert pod["spec"]["nodeName"] == body["spec"]["nodeSelector"]["kubernetes.io/hostname"]
+        real = configmaps_of(kai_plane, pod)
+        assert real == simulated_configmaps(pod)
+        capabilities = real[0]["data"]
+        assert (capabilities["GPU_PORTION"], capabilities.get("CUDA_DEVICE_MEMORY_LIMIT")) == WRITTEN[case]
+        assert pod["metadata"]["annotations"][RECEIVED_TYPE_ANNOTATION] == "Fraction"
+        uuid.UUID(pod["metadata"]["labels"][GPU_GROUP_LABEL])  # a GPU group is named by a UUID, as the simulation's are
+    finally:
+        delete(kai_plane, body["metadata"]["name"])
+
+
+def test_three_4096_shares_fit_the_t4_and_the_fourth_stays_pending(kai_plane: ControlPlane, kai_scheduling: RealKaiScheduling) -> None:
+    names = [f"share-{i}" for i in range(4)]
+    try:
+        for name in names[:3]:
+            kai_plane.request("POST", f"/api/v1/namespaces/{TENANT}/pods", kai_pod(name, **{"gpu-memory": "4096"}))
+            bound(kai_plane, kai_scheduling, name)
+        kai_plane.request("POST", f"/api/v1/namespaces/{TENANT}/pods", kai_pod(names[3], **{"gpu-memory": "4096"}))
+        time.sleep(5)  # several of the real scheduler's cycles (one a second)
+        fourth = kai_plane.request("GET", f"/api/v1/namespaces/{TENANT}/pods/{names[3]}")
+        assert not fourth["spec"].get("nodeName"), "the real KAI placed a fourth 0.27 share on the T4"
+        delete(kai_plane, names[0])
+        assert bound(kai_plane, kai_scheduling, names[3])["spec"]["nodeName"] == T4_NODE
+    finally:
+        delete(kai_plane, *names)
