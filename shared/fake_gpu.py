@@ -29,6 +29,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +69,16 @@ MEMORY, RESERVED, IMPORTED = "memory", "reserved", "imported"
 `reserved`: contexts, limits, modules), and memory another process exported (charged to the importer in its
 process record, not again to the device, whose bytes the exporter's allocation already are)."""
 
+
+@contextlib.contextmanager
+def _through_folder(path: Path) -> Iterator[str]:
+    """`path` as /proc/self/fd/N/<name> through its folder's descriptor: a socket path is limited to 108 bytes,
+    and a node's work dir (a test's tmp_path, say) is often longer than that."""
+    folder = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{folder}/{path.name}"
+    finally:
+        os.close(folder)
 
 class FakeGpuError(RuntimeError):
     """The ledger did not start, or answered a query with an error."""
@@ -128,7 +139,8 @@ class Ledger:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         # Set on the listener so every accepted socket has it before its first message can arrive.
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        self.listener.bind(str(path))
+        with _through_folder(path) as short:
+            self.listener.bind(short)
         os.chmod(path, 0o666)  # every container's processes, whatever their uid, reach the GPU
         self.listener.listen(256)
         self.listener.setblocking(False)
@@ -423,13 +435,17 @@ class FakeGpu:
 
     def start(self, timeout_s: float = 15.0) -> FakeGpu:
         self.install()
-        self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True)
+        log = self.folder / "fake-gpu.log"
+        with log.open("ab") as errors:
+            self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=errors,
+                                            start_new_session=True)
         assert self.process.stdout is not None
         ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
         line = self.process.stdout.readline() if ready else b""
         if not line.startswith(b"ready"):
             self.stop()
-            raise FakeGpuError(f"the fake GPU's ledger did not start within {timeout_s}s (said {line!r})")
+            said = " | ".join(log.read_text(errors="replace").splitlines()[-3:]) or repr(line)
+            raise FakeGpuError(f"the fake GPU's ledger did not start within {timeout_s}s: {said}")
         return self
 
     def stop(self) -> None:
@@ -456,7 +472,8 @@ class FakeGpu:
     def _call(self, op: int, dev: int = 0) -> tuple[tuple[int, ...], bytes]:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as sock:
             sock.settimeout(10)
-            sock.connect(str(self.socket))
+            with _through_folder(self.socket) as short:
+                sock.connect(short)
             sock.send(REQUEST.pack(op, dev, 0, 0))
             data = sock.recv(REPLY.size + MAX_PROCESSES * PROCESS.size)
         head = REPLY.unpack_from(data)

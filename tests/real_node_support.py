@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
 import threading
 import time
 from concurrent.futures import Future
@@ -11,6 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deploy.deploy_tools import helm_binary
+from kai_isolator.services.devcluster.images import docker_env
+from kai_isolator.services.devcluster.oci import docker_archive
 from kai_isolator.services.devcluster.plane import ControlPlane
 from kai_isolator.services.devcluster.realcluster import RealNodeCluster
 from kai_isolator.services.devcluster.realnode import RealNode
@@ -80,3 +85,82 @@ class Node:
             self.kubectl("delete", "pod", name, "-n", namespace, "--ignore-not-found", "--grace-period=0", "--force", "--wait=true",
                          check=False, timeout_s=60)
         self.made.clear()
+
+
+# --- the chart and the manifests on the real node, installed as users install them ------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "deploy" / "helm" / "kai-resource-isolator"
+DEV_OVERLAY = REPO / "deploy" / "kustomize" / "overlays" / "dev"
+RELEASE = NAMESPACE = "kai-resource-isolator"
+# What `make images` leaves in the Docker engine: the chart's and the overlay's images, and the NATS stand-in.
+CHART_IMAGES = ("kai-isolator:dev", "kai-isolator-nodeagent:dev", "nats:2.10.22-alpine")
+# Only image and NATS values: the node's /usr/local and /var/lib are its own (the work dir's), so the chart's host
+# paths stay at their defaults.
+CHART_VALUES = {"image.registry": "", "image.repository": "kai-isolator", "image.tag": "dev",
+                "nodeAgent.image.registry": "", "nodeAgent.image.repository": "kai-isolator-nodeagent", "nodeAgent.image.tag": "dev",
+                "nats.enabled": "true"}
+NATS_UID = 1000  # the chart's NATS runs as 1000 with fsGroup 1000, which a hostPath volume does not apply
+
+
+def import_docker_images(node: Node, tags: tuple[str, ...], cache: Path) -> dict[str, float]:
+    """The engine's images into the node's containerd, as `kind load docker-image` does; seconds per image."""
+    took = {}
+    for tag in tags:
+        started = time.monotonic()
+        node.node.import_image(docker_archive(tag, cache, docker_env()))
+        took[tag] = time.monotonic() - started
+    return took
+
+
+def nats_volume(node: Node, name: str) -> None:
+    """A 1Gi hostPath PersistentVolume on the node for the NATS StatefulSet's claim: the storage an admin provides
+    where no provisioner runs (kind ships one; this cluster has none)."""
+    inside = f"/var/lib/{name}"
+    folder = node.node.host_path(inside)
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chown(folder, NATS_UID, NATS_UID)
+    node.kubectl("apply", "-f", "-", input_text=json.dumps({
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": name},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "persistentVolumeReclaimPolicy": "Retain",
+                 "hostPath": {"path": inside, "type": "Directory"}}}))
+
+
+def helm(node: Node, *args: str, timeout_s: float = 300) -> str:
+    done = subprocess.run([str(helm_binary()), *args], capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "KUBECONFIG": str(node.plane.admin_kubeconfig), "HELM_CACHE_HOME": str(node.real.workdir / "helm-cache"),
+                               "HELM_CONFIG_HOME": str(node.real.workdir / "helm-config"), "HELM_DATA_HOME": str(node.real.workdir / "helm-data")})
+    if done.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
+    return done.stdout
+
+
+def until(what: str, check: Any, timeout_s: float = 60) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not so after {timeout_s:.0f}s")
+        time.sleep(0.25)
+
+
+def gpu_pod(name: str, image: str, gpu_memory_mib: int, command: list[str], annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    """A GPU-sharing pod as KAI users write it (KAI's scheduler, simulated through the API, binds it)."""
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default", "annotations": {"gpu-memory": str(gpu_memory_mib), **(annotations or {})}},
+            "spec": {"schedulerName": "kai-scheduler", "terminationGracePeriodSeconds": 1,
+                     "containers": [{"name": "cuda", "image": image, "imagePullPolicy": "Never", "command": command}]}}
+
+
+def workloads(node: Node, namespace: str) -> list[str]:
+    """`kind/name` of every Deployment, DaemonSet and StatefulSet in `namespace`."""
+    return node.kubectl("get", "deployments,daemonsets,statefulsets", "-n", namespace, "-o", "name").split()
+
+
+def pod_logs(node: Node, namespace: str) -> str:
+    """Every pod's log tail in `namespace`, for a failure message."""
+    names = node.kubectl("get", "pods", "-n", namespace, "-o", "name", check=False).split()
+    return "\n".join(node.kubectl("logs", "-n", namespace, name, "--all-containers", "--prefix", "--tail=30", check=False, timeout_s=30)
+                     for name in names)

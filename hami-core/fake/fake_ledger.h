@@ -60,6 +60,8 @@ _Static_assert(sizeof(fake_ledger_request) == 24 && sizeof(fake_ledger_reply) ==
  * not answer. Defined here so both fakes agree on the rule; static, each library has its own copy. */
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
@@ -75,20 +77,31 @@ static int fake_ledger_connect(const void *self) {
     /* Beside the file itself, however the loader reached it (a symlinked directory, /lib for /usr/lib). */
     char real[PATH_MAX];
     const char *path = realpath(info.dli_fname, real) ? real : info.dli_fname;
-    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    char folder[PATH_MAX];
     const char *slash = strrchr(path, '/');
     size_t dir = slash ? (size_t)(slash - path) + 1 : 0;
-    if (dir + sizeof FAKE_LEDGER_SOCKET > sizeof addr.sun_path) return -2;
-    memcpy(addr.sun_path, path, dir);
-    memcpy(addr.sun_path + dir, FAKE_LEDGER_SOCKET, sizeof FAKE_LEDGER_SOCKET);
+    if (dir >= sizeof folder) return -2;
+    memcpy(folder, dir ? path : ".", dir ? dir : 2);
+    folder[dir ? dir : 1] = '\0';
+    /* Through the folder's descriptor: a socket path is limited to 108 bytes, a folder's path is not. */
+    int folder_fd = open(folder, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (folder_fd < 0) return errno == ENOENT ? -1 : -2;
     struct stat st;
-    if (stat(addr.sun_path, &st) != 0) return errno == ENOENT ? -1 : -2;
+    if (fstatat(folder_fd, FAKE_LEDGER_SOCKET, &st, 0) != 0) {
+        int missing = errno == ENOENT;
+        close(folder_fd);
+        return missing ? -1 : -2;
+    }
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    snprintf(addr.sun_path, sizeof addr.sun_path, "/proc/self/fd/%d/%s", folder_fd, FAKE_LEDGER_SOCKET);
     int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     if (fd < 0) return -2;
     struct timeval bound = {.tv_sec = 10}; /* a ledger that stops answering fails calls, never hangs them */
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &bound, sizeof bound);
     setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &bound, sizeof bound);
-    if (connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
+    int connected = connect(fd, (struct sockaddr *)&addr, sizeof addr);
+    close(folder_fd);
+    if (connected != 0) {
         close(fd);
         return -2;
     }

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kai_isolator.shared.contract import GRANT_MOUNT_PATH
+from kai_isolator.shared.contract import GRANT_MOUNT_PATH, PRELOAD_PATH, STATE_MOUNT_PATH
 
-from .mutation import (
-    ESCAPE_ENV, GRANT_ENV, PER_DEVICE_LIMIT_PREFIX, PRELOAD_PATH, STATE_MOUNT_PATH, Desired, InjectionConfig, Json,
-    PodView, Target, clean_path, is_within, mount_path, same,
+from .injection import Desired, InjectionConfig
+from .pod import (
+    ESCAPE_ENV, GRANT_ENV, PER_DEVICE_LIMIT_PREFIX, Json, PodView, Target, clean_path, is_within, mount_path, same,
 )
 from .settings import PolicyMode
 

@@ -117,5 +117,5 @@ def _cut(raw: bytes, request: AdmissionRequest, answer: Answer) -> Template | No
 
 @functools.lru_cache(maxsize=8)
 def _head(api_version: str) -> bytes:
-    """An answer's bytes up to its uid: `..."response":{"uid":"` (review.py writes the uid first)."""
+    """An answer's bytes up to its uid: `..."response":{"uid":"` (answer.py writes the uid first)."""
     return orjson.dumps({"apiVersion": api_version, "kind": KIND, "response": {"uid": ""}})[:-3]

@@ -1,9 +1,7 @@
-"""AdmissionReview parsing and every response the webhook sends, built in one place."""
+"""Reading an AdmissionReview: the parts of its request the webhook uses, or one line saying what is wrong."""
 
 from __future__ import annotations
 
-import binascii
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import orjson
@@ -67,35 +65,3 @@ def parse(raw: bytes) -> AdmissionRequest:
     operation = request.get("operation") or "CREATE"
     return AdmissionRequest(uid, api_version, kind_name, group, operation if type(operation) is str else str(operation),
                             namespace if isinstance(namespace, str) else "", obj, request.get("dryRun") is True)
-
-
-def _review(api_version: str, response: dict[str, Any]) -> bytes:
-    return orjson.dumps({"apiVersion": api_version, "kind": KIND, "response": response})
-
-
-def allowed(request: AdmissionRequest, patch: Sequence[dict[str, Any]] = (), warnings: Sequence[str] = (),
-            patch_json: bytes | None = None) -> bytes:
-    """Allow, with a JSONPatch when there is one (no patch fields otherwise); `patch_json`: the
-    patch already serialised (a non-empty JSON array)."""
-    response: dict[str, Any] = {"uid": request.uid, "allowed": True}
-    if patch and patch_json is None:
-        patch_json = orjson.dumps(patch)
-    if patch_json is not None:
-        response["patchType"] = "JSONPatch"
-        response["patch"] = binascii.b2a_base64(patch_json, newline=False).decode("ascii")
-    if warnings:
-        response["warnings"] = list(warnings)
-    return _review(request.api_version, response)
-
-
-def denied(request: AdmissionRequest, code: int, message: str, warnings: Sequence[str] = ()) -> bytes:
-    """Refuse the object, saying why (the HTTP status stays 200, as the API server expects)."""
-    response: dict[str, Any] = {"uid": request.uid, "allowed": False, "status": {"code": code, "message": message}}
-    if warnings:
-        response["warnings"] = list(warnings)
-    return _review(request.api_version, response)
-
-
-def errored(uid: str, message: str, api_version: str = DEFAULT_API_VERSION) -> bytes:
-    """A failure of the webhook itself: refused with code 500, still echoing the request UID."""
-    return _review(api_version, {"uid": uid, "allowed": False, "status": {"code": 500, "message": message}})

@@ -10,11 +10,10 @@ import orjson
 from kai_isolator.shared.events import AdmissionOutcome
 
 from . import review
-from .answer import JSON, TEXT, Answer, DecisionRecord, bad_request
-from .mutation import (
-    INJECT_ANNOTATION, Desired, InjectionConfig, NoTargetContainer, PodUnreadable, PodView, Shapes, Target, annotations_of,
-    asks_opt_out, carries_nothing_of_ours, find_target, is_gpu_sharing, plan_ops, read_pod, readiness_gate_ops,
-)
+from .answer import JSON, TEXT, Answer, DecisionRecord, allowed, bad_request, denied, errored
+from .injection import Desired, InjectionConfig, Shapes
+from .mutation import CleanPatches, carries_nothing_of_ours, plan_ops, readiness_gate_ops
+from .pod import INJECT_ANNOTATION, NoTargetContainer, PodUnreadable, PodView, Target, annotations_of, asks_opt_out, find_target, is_gpu_sharing, read_pod
 from .policy import findings, judge
 from .replay import Replays
 from .review import AdmissionRequest, BadReview
@@ -42,6 +41,7 @@ class Webhook:
         self.mode = mode
         self.readiness_gate = readiness_gate
         self.shapes = Shapes(config)
+        self.clean_patches = CleanPatches()
         self.replays = Replays()
 
     @classmethod
@@ -63,7 +63,7 @@ class Webhook:
             log.exception("admission failed", extra={"uid": request.uid, "namespace": request.namespace})
             message = f"kai-resource-isolator webhook error: {type(error).__name__}"
             record = DecisionRecord(request.uid, request.namespace, pod_name_of(request.object), "denied", message, dry_run=request.dry_run)
-            return Answer(200, review.errored(request.uid, message, request.api_version), JSON, record)
+            return Answer(200, errored(request.uid, message, request.api_version), JSON, record)
         self.replays.learn(raw, request, answer, fitted)
         return answer
 
@@ -86,20 +86,20 @@ class Webhook:
             target = find_target(view)
             desired = self.shapes.desired(target)
             found = findings(view, target, desired, self.config)
+            verdict = judge(found, self.mode)
+            if not verdict.allowed:
+                return _deny(request, 403, verdict.message, container=target.name, found=found)
             patch_json, operations = self._patch(view, target, desired)
         except PodUnreadable as error:
             return _deny(request, 400, f"cannot read pod: {error}")
         except NoTargetContainer as error:
             return _deny(request, 400, str(error))
-        verdict = judge(found, self.mode)
-        if not verdict.allowed:
-            return _deny(request, 403, verdict.message, container=target.name, found=found)
         warnings += verdict.warnings
         decision: AdmissionOutcome = "warned" if verdict.warnings else "injected" if operations else "skipped"
         reason = f"libvgpu injected into {target.field}[{target.index}]" if operations else "already injected"
         if verdict.warnings:
             reason += f"; {len(found)} policy finding(s)"
-        body = review.allowed(request, warnings=warnings, patch_json=patch_json)
+        body = allowed(request, warnings=warnings, patch_json=patch_json)
         return _answer(request, body, decision, reason, target.name, found, operations)
 
     def _patch(self, view: PodView, target: Target, desired: Desired) -> tuple[bytes | None, int]:
@@ -107,7 +107,7 @@ class Webhook:
         gets the one its shape always gets."""
         gate = readiness_gate_ops(view) if self.readiness_gate else []
         if carries_nothing_of_ours(view, target, desired):
-            ops_json, operations = self.shapes.clean_patch(view, target, desired)
+            ops_json, operations = self.clean_patches.clean_patch(view, target, desired)
             if gate:  # splice the gate's op onto the array: `[...]` + `,{...}]`
                 ops_json = ops_json[:-1] + b"," + orjson.dumps(gate)[1:]
             return ops_json, operations + len(gate)
@@ -123,9 +123,9 @@ def _answer(request: AdmissionRequest, body: bytes, decision: AdmissionOutcome, 
 
 
 def _allow(request: AdmissionRequest, reason: str) -> Answer:
-    return _answer(request, review.allowed(request), "skipped", reason)
+    return _answer(request, allowed(request), "skipped", reason)
 
 
 def _deny(request: AdmissionRequest, code: int, message: str, container: str | None = None,
           found: list[str] | tuple[str, ...] = ()) -> Answer:
-    return _answer(request, review.denied(request, code, message), "denied", message, container, found)
+    return _answer(request, denied(request, code, message), "denied", message, container, found)

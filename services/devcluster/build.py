@@ -110,10 +110,14 @@ CONTAINERD = Component("containerd", MODULES / "containerd", "github.com/contain
                         "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2",
                         "github.com/containerd/containerd/v2/cmd/ctr"),
                        tags="no_btrfs no_devmapper no_zfs", cgo=False)
+# kube-proxy (iptables mode, in the node's network namespace) gives Services their ClusterIPs on the node, as on
+# every cluster: pods reach the API server at the `kubernetes` Service and the bus at its Service. A module folder
+# of its own, so the node's other entries stay valid; the Go build cache shares the packages it has with the kubelet.
+KUBE_PROXY = Component("kube-proxy", MODULES / "proxy", "k8s.io/kubernetes", ("k8s.io/kubernetes/cmd/kube-proxy",))
 CNI = Component("cni-plugins", MODULES / "cni", "github.com/containernetworking/plugins",
                 tuple(f"github.com/containernetworking/plugins/plugins/{p}" for p in ("main/loopback", "main/ptp", "ipam/host-local")), cgo=False)
 COMPONENTS = (ETCD, KUBE, PROMTOOL)
-NODE_COMPONENTS = (KUBELET, KUBE_CONTROLLERS, CONTAINERD, CNI)
+NODE_COMPONENTS = (KUBELET, KUBE_CONTROLLERS, KUBE_PROXY, CONTAINERD, CNI)
 
 
 def cache_root() -> Path:
@@ -265,18 +269,22 @@ class NodeBinaries:
     ctr: Path
     cni_bin_dir: Path  # the folder the kubelet's CNI plugins are looked up in
     containerd_version: str
+    kube_proxy: Path
 
 
 def ensure_node(log: TextIO = sys.stderr) -> NodeBinaries:
-    if KUBELET.version != KUBE.version:
-        raise BuildError(f"{KUBELET.folder / 'go.mod'} pins k8s.io/kubernetes {KUBELET.version}, "
-                         f"{KUBE.folder / 'go.mod'} {KUBE.version}: a node must run its control plane's release")
+    for node_side in (KUBELET, KUBE_PROXY):
+        if node_side.version != KUBE.version:
+            raise BuildError(f"{node_side.folder / 'go.mod'} pins k8s.io/kubernetes {node_side.version}, "
+                             f"{KUBE.folder / 'go.mod'} {KUBE.version}: a node must run its control plane's release")
     kubelet = _timed(KUBELET, log)
     controllers = _timed(KUBE_CONTROLLERS, log)
     containerd = _timed(CONTAINERD, log)
     cni = _timed(CNI, log)
+    proxy = _timed(KUBE_PROXY, log)
     return NodeBinaries(kubelet / "kubelet", controllers / "kube-controller-manager", controllers / "kube-scheduler",
-                        containerd / "containerd", containerd / "containerd-shim-runc-v2", containerd / "ctr", cni, CONTAINERD.version)
+                        containerd / "containerd", containerd / "containerd-shim-runc-v2", containerd / "ctr", cni, CONTAINERD.version,
+                        proxy / "kube-proxy")
 
 
 def _timed(component: Component, log: TextIO) -> Path:

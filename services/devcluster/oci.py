@@ -1,7 +1,8 @@
 """Local OCI image archives for the real node (no registry is reachable): a rootfs of chosen files, one layer.
 
 `image_archive(name, files, path)` writes an OCI image layout tar that `ctr images import` takes; `with_libraries`
-adds the shared libraries a dynamically linked program needs, so host programs can be packed as an image.
+adds the shared libraries a dynamically linked program needs, so host programs can be packed as an image;
+`docker_archive(tag, cache)` exports an image of the Docker engine (`make images`) once per image id, for the node.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import re
 import subprocess
 import tarfile
@@ -112,3 +114,26 @@ def image_archive(name: str, files: Mapping[str, Path], path: Path, *, entrypoin
             tar.addfile(info, io.BytesIO(data))
     partial.replace(path)
     return path
+
+
+def docker_archive(tag: str, cache: Path, env: Mapping[str, str]) -> Path:
+    """`docker save` of `tag` from the engine `env` names, kept in `cache` by image id: a rebuilt image is saved again,
+    an unchanged one never twice."""
+    done = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", tag], env=dict(env), capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise ImageError(f"no image {tag} in the Docker engine (run `make images`): {done.stderr.strip()}")
+    image_id = done.stdout.strip().removeprefix("sha256:")[:16]
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", tag)
+    archive = cache / f"{stem}-{image_id}.tar"
+    if not archive.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = archive.with_name(f".{archive.name}-{os.getpid()}")
+        saved = subprocess.run(["docker", "save", "-o", str(partial), tag], env=dict(env), capture_output=True, text=True, timeout=600)
+        if saved.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise ImageError(f"docker save {tag} exited {saved.returncode}: {saved.stderr.strip()}")
+        partial.replace(archive)
+        for stale in cache.glob(f"{stem}-*.tar"):  # the tag's earlier builds
+            if stale != archive:
+                stale.unlink(missing_ok=True)
+    return archive

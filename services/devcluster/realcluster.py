@@ -7,6 +7,7 @@ cluster looks to Kubernetes (see fakegpu.py). KAI-Scheduler stays simulated thro
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,8 @@ from .realnode import NodeAddresses, NodeError, RealNode
 NODE_NAME = "gpu-node-1"
 GPU_MEMORY_MIB = 15360
 READY_TIMEOUT_S = 120.0
+PROXY_READY_TIMEOUT_S = 60.0
+CLUSTER_DNS_PORT = 53
 
 
 class RealNodeCluster:
@@ -70,6 +73,7 @@ class RealNodeCluster:
                              ca_file=self.workdir / "cluster" / "plane" / "ca.crt", addresses=addresses, cache=cache_root(),
                              labels=self.gpu.labels(), runtimes={"nvidia": self.gpu.runtime}, default_runtime="nvidia")
         await self._timed("node namespaces", asyncio.to_thread(self.node.make_namespaces))
+        self.node.cluster_dns = addresses.node_ip
         # The API server listens on the host's end of the node's veth, the one address both sides reach.
         self.cluster = DevCluster(workdir=self.workdir / "cluster", nodes={}, listen=f"{addresses.host_ip}:0",
                                   server_name=addresses.host_ip, build_log=self._build_log)
@@ -85,6 +89,7 @@ class RealNodeCluster:
         await self._timed("fake GPU ledger", asyncio.to_thread(self.node.wait_for_path, "fake-gpu", self.gpu.ledger_socket))
         self.node.spawn("device-plugin", self.gpu.device_plugin_command())
         await self._timed("node ready", self._until_ready())
+        await self._timed("service network", asyncio.to_thread(self._start_service_network, binaries))
         runtime_class = self.gpu.runtime_class()
         await self.cluster.ensure_runtime_class(runtime_class["metadata"]["name"], runtime_class["handler"])
         assert self.cluster.scheduler is not None
@@ -100,6 +105,42 @@ class RealNodeCluster:
             f"--service-account-private-key-file={plane.workdir / 'sa.key'}", f"--root-ca-file={plane.workdir / 'ca.crt'}",
             "--use-service-account-credentials=false"])
         self._spawn("kube-scheduler", [str(binaries.kube_scheduler), f"--kubeconfig={admin}", "--leader-elect=false", "--secure-port=0"])
+
+    def _start_service_network(self, binaries: NodeBinaries) -> None:
+        """What every cluster gives its pods besides the CNI: the `kubernetes` Service's endpoint (the API server, on the
+        host's end of the veth), kube-proxy for ClusterIPs, and cluster DNS for Service names (on the node's address)."""
+        assert self.cluster is not None and self.cluster.plane is not None and self.node is not None
+        plane, node = self.cluster.plane, self.node
+        # The API server runs with --endpoint-reconciler-type=none (it advertises loopback): its endpoint is written here.
+        plane.request("POST", "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices", {
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "kubernetes", "labels": {"kubernetes.io/service-name": "kubernetes",
+                                                          "endpointslice.kubernetes.io/managed-by": "devcluster.kai-isolator.local"}},
+            "addressType": "IPv4", "endpoints": [{"addresses": [node.addresses.host_ip], "conditions": {"ready": True}}],
+            "ports": [{"name": "https", "port": plane.port, "protocol": "TCP"}]})
+        config = node.workdir / "kube-proxy.json"
+        config.write_text(json.dumps({
+            "apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
+            "clientConnection": {"kubeconfig": str(plane.admin_kubeconfig)}, "hostnameOverride": NODE_NAME, "mode": "iptables",
+            "clusterCIDR": node.addresses.pod_subnet,
+            # Service traffic leaves the node with the node's address, which the host's end of the veth answers.
+            "iptables": {"masqueradeAll": True},
+            # 0: the conntrack table's size and timeouts stay as this machine has them (they are not the node's own).
+            "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"},
+            "healthzBindAddress": "127.0.0.1:10256", "metricsBindAddress": "127.0.0.1:10249"}, indent=2))
+        started = {"kube-proxy": node.spawn("kube-proxy", [str(binaries.kube_proxy), f"--config={config}"])}
+        started["cluster-dns"] = node.spawn("cluster-dns", [sys.executable, "-m", "kai_isolator.services.devcluster.clusterdns",
+                                   f"--listen={node.addresses.node_ip}:{CLUSTER_DNS_PORT}", f"--server={plane.url}",
+                                   f"--ca={plane.workdir / 'ca.crt'}", f"--cert={plane.workdir / 'admin.crt'}", f"--key={plane.workdir / 'admin.key'}"])
+        deadline = time.monotonic() + PROXY_READY_TIMEOUT_S
+        while "default/kubernetes:https" not in (node.exec("iptables-save", "-t", "nat").stdout or ""):
+            for name, process in started.items():
+                if process.poll() is not None:
+                    raise NodeError(f"{name} exited:\n{(node.workdir / f'{name}.log').read_text(errors='replace')[-3000:]}")
+            if time.monotonic() > deadline:
+                raise NodeError(f"kube-proxy wrote no rule for the kubernetes Service in {PROXY_READY_TIMEOUT_S:.0f}s:\n"
+                                f"{(node.workdir / 'kube-proxy.log').read_text(errors='replace')[-3000:]}")
+            time.sleep(0.2)
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.workdir / f"{name}.log", "ab")

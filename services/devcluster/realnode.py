@@ -39,7 +39,9 @@ NODE_MOUNTS = ("/run", "/var/lib", "/var/log")
 # The node's /usr/local: the machine's, read-only, under what the node writes (an overlay whose upper folder is in the
 # work dir), so the node agent's /usr/local/vgpu and whatever the machine keeps in /usr/local (an interpreter) are both there.
 NODE_OVERLAYS = ("/usr/local",)
-POD_SUBNET = "10.244.0.0/24"  # inside the node's network namespace only
+# Each node's pods get a /24 of their own, routed from the host namespace through the node's veth (as a cluster's pod
+# network is routed between its machines): the API server reaches a webhook's pod at its endpoint address.
+POD_POOL = ipaddress.ip_network("10.214.0.0/16")
 READY_TIMEOUT_S = 120.0
 STOP_GRACE_S = 10.0
 
@@ -71,17 +73,20 @@ class NodeAddresses:
     host_link: str
     node_link: str
     prefix: int = 30
+    pod_subnet: str = "10.214.0.0/24"
 
     @staticmethod
     def pick() -> NodeAddresses:
         taken = _run("ip", "-o", "-4", "addr", "show")
+        routes = _run("ip", "-o", "-4", "route", "show")
         suffix = f"{os.getpid() & 0xFFFF:04x}{random.randrange(256):02x}"
         for _ in range(100):
             subnet = random.choice(list(VETH_POOL.subnets(new_prefix=30)))
+            pods = str(random.choice(list(POD_POOL.subnets(new_prefix=24))))
             host, node = (str(a) for a in list(subnet.hosts())[:2])
-            if f" {host}/" not in taken and f" {node}/" not in taken:
-                return NodeAddresses(host, node, f"kain{suffix}h", f"kain{suffix}n")
-        raise NodeError(f"no free /30 in {VETH_POOL}")
+            if f" {host}/" not in taken and f" {node}/" not in taken and not any(r.startswith(f"{pods} ") for r in routes.splitlines()):
+                return NodeAddresses(host, node, f"kain{suffix}h", f"kain{suffix}n", pod_subnet=pods)
+        raise NodeError(f"no free /30 in {VETH_POOL} and /24 in {POD_POOL}")
 
 
 def cgroup_hierarchies() -> list[Path]:
@@ -186,6 +191,7 @@ class RealNode:
         self.labels = labels or {}
         self.runtimes = runtimes or {}  # extra containerd runtime handlers: name -> the runc-compatible program
         self.default_runtime = default_runtime
+        self.cluster_dns: str | None = None  # the pods' nameserver (the kubelet's clusterDNS), set before start_daemons
         self.fs = self.workdir / "fs"  # the node's /run, /var/lib, /var/log and what it adds to /usr/local
         self.cgroup = NodeCgroup(f"kai-isolator-node-{addresses.node_link}")
         self._holder: subprocess.Popen[bytes] | None = None
@@ -236,6 +242,8 @@ class RealNode:
         _run("ip", "link", "add", a.host_link, "type", "veth", "peer", "name", a.node_link, "netns", str(self._holder.pid))
         _run("ip", "addr", "add", f"{a.host_ip}/{a.prefix}", "dev", a.host_link)
         _run("ip", "link", "set", a.host_link, "up")
+        # Goes with the link in stop(): the route to the node's pods.
+        _run("ip", "route", "add", a.pod_subnet, "via", a.node_ip, "dev", a.host_link)
         sysctls = self.workdir / "sysctl"
         for key, value in KUBELET_SYSCTLS.items():
             (sysctls / key).parent.mkdir(parents=True, exist_ok=True)
@@ -334,10 +342,11 @@ class RealNode:
         cni = self.workdir / "cni"
         cni.mkdir(parents=True, exist_ok=True)
         # containerd's CRI wants an eth0 with an address in every sandbox that is not on the host network (loopback alone
-        # fails with "failed to find network info for sandbox"): a veth to the node (ptp) on a subnet that exists only
-        # inside the node's namespace. No masquerade and no route out of the node: pods reach the node and each other.
+        # fails with "failed to find network info for sandbox"): a veth to the node (ptp) on the node's pod subnet, which
+        # the host routes to the node. No masquerade and no route out of this machine: pods reach the node, each other
+        # and the host's end of the veth (the API server).
         (cni / "10-pods.conflist").write_text(json.dumps({"cniVersion": "1.0.0", "name": "pods", "plugins": [
-            {"type": "ptp", "ipMasq": False, "ipam": {"type": "host-local", "ranges": [[{"subnet": POD_SUBNET}]],
+            {"type": "ptp", "ipMasq": False, "ipam": {"type": "host-local", "ranges": [[{"subnet": self.addresses.pod_subnet}]],
                                                       "routes": [{"dst": "0.0.0.0/0"}]}}]}))
         config = self.workdir / "containerd.toml"
         config.write_text(self.containerd_config())
@@ -365,7 +374,8 @@ class RealNode:
     # --- kubelet -------------------------------------------------------------------------
 
     def kubelet_config(self) -> dict[str, object]:
-        return {
+        dns = {"clusterDNS": [self.cluster_dns], "clusterDomain": "cluster.local"} if self.cluster_dns else {}
+        return {**dns,
             "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
             # This machine kind is cgroup v1, which the kubelet refuses by default since 1.35.
             "failCgroupV1": False, "cgroupDriver": "cgroupfs", "cgroupRoot": f"/{self.cgroup.name}",

@@ -305,7 +305,14 @@ def _first_install(layout: HostLayout, data: bytes, version: str, checkpoint: Ch
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f"{_STAGING_PREFIX}{os.getpid()}"
     _remove_tree(staging)
-    staging.mkdir(mode=0o755)
+    try:
+        staging.mkdir(mode=0o755)
+    except OSError as error:
+        # In the DaemonSet the directory is the agent's hostPath mount, in a read-only root: nothing can be staged
+        # beside it. The file-by-file path keeps the invariant (the preload file comes last).
+        if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return False
+        raise
     checkpoint("stage-directory")
     os.rename(_write_new(staging, versioned_name(version), data, 0o644), staging / versioned_name(version))
     os.symlink(versioned_name(version), staging / LIBRARY_LINK)
@@ -313,7 +320,13 @@ def _first_install(layout: HostLayout, data: bytes, version: str, checkpoint: Ch
     os.chmod(staging, 0o755)
     _fsync_dir(staging)
     checkpoint("rename-directory")
-    os.rename(staging, target)  # replaces an empty directory atomically too
+    try:
+        os.rename(staging, target)  # replaces an empty directory atomically too
+    except OSError as error:
+        if error.errno != errno.EBUSY:
+            raise
+        _remove_tree(staging)  # an empty mount point (a hostPath) cannot be replaced: install into it instead
+        return False
     _fsync_dir(target.parent)
     checkpoint("done")
     return True

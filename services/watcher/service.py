@@ -11,18 +11,16 @@ record and events stay in order while other pods' round trips overlap; the resum
 ever names a version up to which every change was fully handled.
 
 Replicated active/standby: one watcher per scope holds a KV lease and works, the others wait
-to take over. Fenced: every record write is a compare-and-set on its KV revision and every
-publish names the subject's last stream sequence it knows, so a leader paused past its lease
-is refused by the server instead of repeating or reordering a pod's story.
+to take over. Fenced: every record write is a compare-and-set on its KV revision (records.py) and
+every publish names the subject's last stream sequence it knows (fenced.py), so a leader paused past
+its lease is refused by the server instead of repeating or reordering a pod's story.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import logging
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -30,21 +28,19 @@ from typing import Any, TypeVar
 import aiohttp
 import nats.errors
 import nats.js.errors
-import orjson
 from prometheus_client import Counter, Gauge
 
-from kai_isolator.shared import subjects
-from kai_isolator.shared.bus import HEADERS_CONTENT_TYPE, WRONG_LAST_SEQUENCE, Runtime
-from kai_isolator.shared.errors import BusError, FencedError, LeaseLostError
-from kai_isolator.shared.events import PodIsolation
+from kai_isolator.shared.bus import Runtime
+from kai_isolator.shared.errors import BusError, LeaseLostError
 from kai_isolator.shared.lease import Lease
 
-from .acks import Ack, AckPipeline
+from .acks import AckPipeline
+from .fenced import FencedPublisher
 from .kube import KubeApiError, KubeClient
 from .lanes import Lanes, Progress
+from .records import PodRecords, closed, tombstone
 from .settings import WatcherSettings
 from .story import PodRecord, PodView, advance, deletion, needs_limit, view_of
-from .wire import encode_event
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -98,7 +94,8 @@ class PodWatcher:
         self.settings = settings
         self.api = api
         self.metrics = _Metrics(runtime)
-        self.records: dict[str, PodRecord] = {}
+        self.records = PodRecords(runtime, settings, lease)
+        self.stream = FencedPublisher(runtime, lease, self.metrics.emitted)
         self.resource_version: str | None = None
         """The resume point: every change up to it is fully handled (saved to KV now and then)."""
         self._read_version: str | None = None
@@ -114,16 +111,9 @@ class PodWatcher:
         self.synced = asyncio.Event()
         self.lease = lease
         self.leading = asyncio.Event()
-        self._revisions: dict[str, int] = {}
-        """KV revision of each pod record as we last wrote or read it: the compare-and-set fence."""
-        self._tips: dict[str, tuple[int, str | None]] = {}
-        """subject -> (last stream sequence, its event id) as this leader knows it: the publish fence."""
-        self._tombstones: list[tuple[int, str]] = []
-        """(version, uid) of closed stories, a heap: dropped once the saved resume point passed them."""
         self._progress = Progress(settings.max_in_flight)
         self._lanes = Lanes(settings.lanes, self._progress)
         self._acks: AckPipeline | None = None
-        self._published_as: dict[str, Any] = {}
         self._state = asyncio.Lock()
         """Held by a relist and a resume save: both walk the records the other would drop."""
         # A standby can work (it takes over on its own), so it is ready; a leader once it has listed.
@@ -138,9 +128,6 @@ class PodWatcher:
     @property
     def _relist_key(self) -> str:
         return f"{RELIST_KEY_PREFIX}.{self.settings.scope}"
-
-    def _record_key(self, uid: str) -> str:
-        return f"{self.settings.scope}.{uid}"
 
     # --- the loop -----------------------------------------------------------------------
 
@@ -203,11 +190,9 @@ class PodWatcher:
         self.metrics.synced.set(0)
         self.leading.clear()
         self.synced.clear()
-        self.records.clear()
-        self._revisions.clear()
-        self._tips.clear()
+        self.records.forget_all()
+        self.stream.forget_all()
         self._limits.clear()
-        self._tombstones.clear()
         self.resource_version = self._saved_version = self._read_version = self._relist_at = None
         self._loaded = False
         self.lease.token = None
@@ -216,6 +201,7 @@ class PodWatcher:
         self._progress = Progress(self.settings.max_in_flight)
         self._lanes = Lanes(self.settings.lanes, self._progress)
         self._acks = AckPipeline(self.runtime.connection, self.runtime.settings.jetstream_timeout_s, limit=4 * self.settings.lanes)
+        self.records.acks = self.stream.acks = self._acks
         await self._retrying("bus", self._acks.start)
         forget_acks = self.runtime.on_disconnected(self._acks.resend)
         try:
@@ -278,9 +264,8 @@ class PodWatcher:
                 if view is not None:
                     present.add(view.uid)
                     await self._submit(view.namespace, view.name, None, self._observe, view)
-            for uid in [u for u in self.records if u not in present]:
-                record = self.records[uid]
-                await self._submit(record.namespace, record.name, None, self._gone, uid, version)
+            for record in [r for r in self.records if r.uid not in present]:
+                await self._submit(record.namespace, record.name, None, self._gone, record.uid, version)
             await self._progress.drained()
             self._read_version = self.resource_version = version
             self._progress.handled = version
@@ -362,7 +347,7 @@ class PodWatcher:
 
     async def _observe(self, view: PodView) -> None:
         record = self.records.get(view.uid)
-        if record is not None and _closed(record):
+        if record is not None and closed(record):
             return  # a replay (after a takeover or crash) of a pod whose story is already closed
         limit = await self._expected_limit(view) if needs_limit(view, record) else None
         events, updated = advance(view, record, limit)
@@ -370,17 +355,17 @@ class PodWatcher:
             return
         # Write-ahead: the record names the events before they go out, so a crash in between
         # republishes exactly these (same Nats-Msg-Id) instead of deriving new ones.
-        await self._retrying("bus", self._put_record, updated)
+        await self._retrying("bus", self.records.put, updated)
         for event in events:
-            await self._retrying("bus", self._publish, event)
-        self._published(updated)
+            await self._retrying("bus", self.stream.publish, event)
+        self.records.published(updated)
 
     async def _deleted(self, view: PodView | None, meta: dict[str, Any]) -> None:
         if view is not None:
             await self._observe(view)
         uid = str(meta.get("uid") or "")
         record = self.records.get(uid)
-        if record is not None and not _closed(record):
+        if record is not None and not closed(record):
             await self._close(record, str(meta.get("resourceVersion") or ""))
 
     async def _gone(self, uid: str, version: str) -> None:
@@ -388,8 +373,8 @@ class PodWatcher:
         record = self.records.get(uid)
         if record is None:
             return
-        if _closed(record):
-            await self._retrying("bus", self._drop_record, record)
+        if closed(record):
+            await self._retrying("bus", self.records.drop, record)
         else:
             await self._close(record, version)
 
@@ -397,38 +382,26 @@ class PodWatcher:
         self._limits.pop(record.uid, None)
         event = deletion(record, version)
         closing = record.model_copy(update={"pending": [event]})
-        await self._retrying("bus", self._put_record, closing)
-        await self._retrying("bus", self._publish, event)
-        tombstone = _tombstone(closing)
-        await self._retrying("bus", self._put_record, tombstone)
-        with contextlib.suppress(ValueError):
-            heapq.heappush(self._tombstones, (int(tombstone.resource_version), tombstone.uid))
-
-    def _published(self, record: PodRecord) -> None:
-        """The record's events are out: keep it in memory without them (KV still has them for a crash's recovery)."""
-        if self.records.get(record.uid) is record:
-            record.pending = []  # ours alone: built by advance() for this change
+        await self._retrying("bus", self.records.put, closing)
+        await self._retrying("bus", self.stream.publish, event)
+        ended = tombstone(closing)
+        await self._retrying("bus", self.records.put, ended)
+        self.records.note_tombstone(ended)
 
     async def _recover(self) -> None:
         """Finish what a crash interrupted: publish each record's pending events the stream does not have yet."""
-        js = self.runtime.jetstream
-        for record in [r for r in self.records.values() if r.pending]:
-            subject = record.pending[0].subject()
-            try:
-                last = await js.get_last_msg(subjects.STREAM_NAME, subject)
-                last_id = orjson.loads(last.data or b"{}").get("id")
-            except nats.js.errors.NotFoundError:
-                last_id = None
+        for record in [r for r in self.records if r.pending]:
+            last_id = await self.stream.last_id(record.pending[0].subject())
             ids = [e.dedup_id() for e in record.pending]
             unsent = record.pending[ids.index(last_id) + 1:] if last_id in ids else record.pending
             for event in unsent:
-                await self._publish(event)
+                await self.stream.publish(event)
             if unsent:
                 log.info("republished events interrupted by a crash", extra={"pod": f"{record.namespace}/{record.name}", "events": len(unsent)})
             if any(e.state == "deleted" for e in record.pending):
-                await self._put_record(_tombstone(record))
+                await self.records.put(tombstone(record))
             else:
-                self._published(record)
+                self.records.published(record)
 
     async def _expected_limit(self, view: PodView) -> str | None:
         """Read the limit KAI granted: a literal env value, or the ConfigMap key its binder wrote."""
@@ -454,122 +427,6 @@ class PodWatcher:
         if value is not None:
             self._limits.setdefault(view.uid, {})[key] = value
         return value
-
-    # --- the bus ------------------------------------------------------------------------
-
-    async def _tip(self, subject: str) -> tuple[int, str | None]:
-        """The subject's last stream sequence and event id: known, or read from the stream."""
-        if subject not in self._tips:
-            try:
-                last = await self.runtime.jetstream.get_last_msg(subjects.STREAM_NAME, subject)
-                self._tips[subject] = (last.seq or 0, orjson.loads(last.data or b"{}").get("id"))
-            except nats.js.errors.NotFoundError:
-                self._tips[subject] = (0, None)
-        return self._tips[subject]
-
-    async def _publish(self, event: PodIsolation) -> None:
-        """Publish unless the subject already ends with this event; fenced on the subject's last sequence.
-
-        A subject this leader has not looked at yet is first tried as empty (a new pod's, the common
-        case: one round trip saved); the server refuses that when it is not, and then it is read.
-        """
-        subject, event_id = event.subject(), event.dedup_id()
-        known = self._tips.get(subject)
-        if known is not None and known[1] == event_id:
-            return  # a previous holder (or our own lost ack) already stored it
-        await self.lease.wait_held()
-        data = encode_event(event, self.runtime.service)
-        try:
-            ack = await self._send(subject, data, event_id, known[0] if known else 0)
-        except FencedError:
-            # Someone else wrote this pod's subject since we looked: only fine if it is this very event.
-            self._tips.pop(subject, None)
-            seq, last_id = await self._tip(subject)
-            if last_id == event_id:
-                return
-            if known is not None:
-                raise LeaseLostError(f"{subject} was written by another watcher; resynchronising from KV") from None
-            await self.lease.wait_held()
-            try:
-                ack = await self._send(subject, data, event_id, seq)
-            except FencedError:
-                self._tips.pop(subject, None)
-                raise LeaseLostError(f"{subject} was written by another watcher; resynchronising from KV") from None
-        if ack.duplicate:
-            self._tips.pop(subject, None)  # the sequence is the original's, not necessarily the tip
-        else:
-            self._tips[subject] = (ack.seq, event_id)
-        self.metrics.emitted(event.state)
-
-    async def _send(self, subject: str, data: bytes, event_id: str, expected_seq: int) -> Ack:
-        """One acked publish with the de-duplication id and the fence; FencedError when the subject moved on."""
-        assert self._acks is not None
-        headers = {"Nats-Msg-Id": event_id, "Content-Type": HEADERS_CONTENT_TYPE, "Nats-Expected-Last-Subject-Sequence": str(expected_seq)}
-        try:
-            ack = await self._acks.publish(subject, data, headers)
-        except nats.js.errors.APIError as error:
-            if error.err_code == WRONG_LAST_SEQUENCE:
-                self._count_published("fenced")
-                raise FencedError(f"publish to {subject} fenced: {error.description}") from None
-            self._count_published("failed")
-            raise
-        self._count_published("duplicate" if ack.duplicate else "stored")
-        return ack
-
-    def _count_published(self, outcome: str) -> None:
-        """The runtime's own publish counter, as if its `publish()` had sent it."""
-        child = self._published_as.get(outcome)
-        if child is None:
-            child = self._published_as[outcome] = self.runtime.metrics.published.labels(outcome)
-        child.inc()
-
-    async def _put_record(self, record: PodRecord) -> None:
-        """Write a pod's record: a compare-and-set on the revision we know (create: on none), pipelined like a publish."""
-        assert self._acks is not None
-        await self.lease.wait_held()
-        bucket, key = self.settings.state_bucket, self._record_key(record.uid)
-        value = record.model_dump_json().encode()
-        last = self._revisions.get(record.uid)
-        try:
-            revision = (await self._acks.publish(f"$KV.{bucket}.{key}", value, {"Nats-Expected-Last-Subject-Sequence": str(last or 0)})).seq
-        except nats.js.errors.APIError as error:
-            if error.err_code != WRONG_LAST_SEQUENCE:
-                raise
-            landed = await self._landed(key, value)  # sent again on a lost connection after the first had landed
-            if landed is not None:
-                revision = landed
-            elif last is not None:
-                raise LeaseLostError(f"pod record {key} was written by another watcher; resynchronising from KV") from None
-            else:
-                revision = await self._create_over_marker(key, value)
-        self._revisions[record.uid] = revision
-        self.records[record.uid] = _slim(record)
-
-    async def _landed(self, key: str, value: bytes) -> int | None:
-        """The revision of `key` when its latest value is exactly `value`: our own earlier copy of this write, stored."""
-        try:
-            entry = await self.runtime.kv(self.settings.state_bucket).get(key)
-        except nats.js.errors.KeyNotFoundError:
-            return None
-        return entry.revision if entry.value == value else None
-
-    async def _create_over_marker(self, key: str, value: bytes) -> int:
-        """A create where the key was deleted before (a delete marker is its last entry): nats-py's create handles that."""
-        try:
-            return await self.runtime.kv(self.settings.state_bucket).create(key, value)
-        except nats.js.errors.KeyWrongLastSequenceError:
-            raise LeaseLostError(f"pod record {key} was written by another watcher; resynchronising from KV") from None
-
-    async def _drop_record(self, record: PodRecord) -> None:
-        await self.lease.wait_held()
-        key = self._record_key(record.uid)
-        try:
-            await self.runtime.kv(self.settings.state_bucket).delete(key, last=self._revisions.get(record.uid))
-        except nats.js.errors.KeyWrongLastSequenceError:
-            raise LeaseLostError(f"pod record {key} was written by another watcher; resynchronising from KV") from None
-        self._revisions.pop(record.uid, None)
-        self.records.pop(record.uid, None)
-        self.metrics.tracked.set(len(self.records))
 
     # --- the resume point ---------------------------------------------------------------
 
@@ -597,20 +454,8 @@ class PodWatcher:
             await self.runtime.kv(self.settings.resume_bucket).put(self._resume_key, version.encode())
             self._saved_version, self._saved_at = version, time.monotonic()
             self._progress.advanced = 0
-            await self._drop_tombstones(version)
-
-    async def _drop_tombstones(self, saved: str) -> None:
-        """No replay can start before the saved version any more: closed stories older than it can go."""
-        try:
-            limit = int(saved)
-        except ValueError:
-            return  # opaque versions: kept until a relist finds the pods gone
-        due = []
-        while self._tombstones and self._tombstones[0][0] <= limit:
-            due.append(heapq.heappop(self._tombstones)[1])
-        records = [self.records[uid] for uid in due if uid in self.records and _closed(self.records[uid])]
-        for chunk in range(0, len(records), 256):
-            await asyncio.gather(*(self._drop_record(r) for r in records[chunk:chunk + 256]))
+            await self.records.drop_tombstones(version)
+            self.metrics.tracked.set(len(self.records))
 
     async def _load_state(self) -> None:
         """Read the resume version and every pod record of this scope back from KV."""
@@ -625,23 +470,7 @@ class PodWatcher:
         except nats.js.errors.KeyNotFoundError:
             self._relist_at = None
         self._read_version = None if self._relist_at else self.resource_version
-        watcher = await self.runtime.kv(self.settings.state_bucket).watch(f"{self.settings.scope}.>", ignore_deletes=True)
-        try:
-            while True:
-                entry = await watcher.updates(timeout=self.runtime.settings.request_timeout_s)
-                if entry is None:
-                    break
-                if entry.value:
-                    record = _slim(PodRecord.model_validate_json(entry.value))
-                    self.records[record.uid] = record
-                    self._revisions[record.uid] = entry.revision or 0
-                    if _closed(record):
-                        with contextlib.suppress(ValueError):
-                            heapq.heappush(self._tombstones, (int(record.resource_version), record.uid))
-                if entry.delta == 0:
-                    break
-        finally:
-            await watcher.stop()
+        await self.records.load()
         self.metrics.tracked.set(len(self.records))
         log.info("watcher state loaded", extra={"scope": self.settings.scope, "resume": self.resource_version, "tracked": len(self.records)})
 
@@ -677,33 +506,3 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:  # type: ignore[t
     for error in group.exceptions:
         found += _leaves(error) if isinstance(error, BaseExceptionGroup) else [error]
     return found
-
-
-_ALL_FIELDS = set(PodRecord.model_fields)
-_REPEATED = ("namespace", "node_name", "phase", "container", "gpu_fraction", "gpu_memory", "expected_limit")
-
-
-def _slim(record: PodRecord) -> PodRecord:
-    """A record as kept in memory for every tracked pod: a third smaller.
-
-    pydantic keeps a set of the fields given per instance (0.7 KiB of a 2 KiB record), read only by
-    exclude_unset dumps, which records never make: all share one. Values that most pods repeat
-    (namespace, phase, container, ...) are interned instead of one copy per pod.
-    """
-    object.__setattr__(record, "__pydantic_fields_set__", _ALL_FIELDS)
-    values = record.__dict__
-    for name in _REPEATED:
-        if values[name] is not None:
-            values[name] = sys.intern(values[name])
-    return record
-
-
-def _closed(record: PodRecord) -> bool:
-    """A tombstone: the pod's `deleted` event is out; kept until no replay can reach back before it."""
-    return "deleted" in record.emitted and not record.pending
-
-
-def _tombstone(record: PodRecord) -> PodRecord:
-    deleted = [e for e in record.pending if e.state == "deleted"]
-    version = deleted[-1].resource_version if deleted else record.resource_version
-    return record.model_copy(update={"pending": [], "emitted": [*record.emitted, "deleted"], "resource_version": version})

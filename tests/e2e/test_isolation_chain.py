@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from kai_isolator.services.admission.mutation import InjectionConfig, desired_for, find_target, read_pod
+from kai_isolator.services.admission.injection import InjectionConfig, desired_for
+from kai_isolator.services.admission.pod import find_target, read_pod
 from kai_isolator.services.demo.scenario import CUDA_PROGRAM, HAMI_BUILD, NVIDIA_SMI, demo_pod
 from kai_isolator.shared.contract import GRANT_VOLUME
 from kai_isolator.shared.events import HealthVerdict, PodIsolation

@@ -19,7 +19,7 @@ import pytest
 import trustme
 import yaml
 
-from kai_isolator.services.admission.mutation import InjectionConfig
+from kai_isolator.services.admission.injection import InjectionConfig
 from kai_isolator.services.admission.settings import PolicyMode
 from kai_isolator.services.admission.webhook import Webhook
 from kai_isolator.services.devcluster.cluster import GPU_SHARING_CONDITION

@@ -64,7 +64,10 @@ def cuda_image(real_node_session: Node, tmp_path_factory: pytest.TempPathFactory
     the `nvidia` runtime adds, as on a GPU node."""
     tools = {f"/usr/bin/{name}": Path(f"/usr/bin/{name}") for name in ("cat", "sleep", "grep", "id", "env", "ls", "head")}
     files = {"/bin/sh": Path("/bin/dash"), **tools, "/usr/local/bin/cuprobe": HAMI_BUILD / "tests" / "cuprobe",
-             "/usr/local/bin/rawelf": HAMI_BUILD / "tests" / "rawelf"}
+             "/usr/local/bin/rawelf": HAMI_BUILD / "tests" / "rawelf",
+             # glibc's compatibility stubs, which Ubuntu 24.04 (the real image) has: a libvgpu.so built on an older glibc,
+             # as the node agent's image builds it, names them.
+             **{f"/lib/x86_64-linux-gnu/{stub}": Path(f"/lib/x86_64-linux-gnu/{stub}") for stub in ("libdl.so.2", "libpthread.so.0")}}
     archive = image_archive(CUDA_IMAGE, with_libraries(files, provided=("libcuda.so.1", "libnvidia-ml.so.1")),
                             tmp_path_factory.mktemp("images") / "cuda.tar", command=["/bin/sh"],
                             env={"PATH": "/usr/local/bin:/usr/bin:/bin", "NVIDIA_VISIBLE_DEVICES": "all",

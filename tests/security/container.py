@@ -25,7 +25,7 @@ from typing import Any
 
 import jsonpatch
 
-from kai_isolator.services.admission.mutation import InjectionConfig
+from kai_isolator.services.admission.injection import InjectionConfig
 from kai_isolator.services.admission.webhook import Webhook
 from kai_isolator.services.demo.kubelet import CgroupPlacement, ContainerProcess, start_container
 from kai_isolator.services.nodeagent import install, observe

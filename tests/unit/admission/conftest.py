@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
-from kai_isolator.services.admission.mutation import InjectionConfig
+from kai_isolator.services.admission.injection import InjectionConfig
 from kai_isolator.services.admission.webhook import Answer, Webhook
 
 PodFactory = Callable[..., dict[str, Any]]

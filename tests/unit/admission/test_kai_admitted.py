@@ -16,7 +16,8 @@ from typing import Any
 import jsonpatch
 import pytest
 
-from kai_isolator.services.admission.mutation import GRANT_VOLUME, InjectionConfig
+from kai_isolator.shared.contract import GRANT_VOLUME
+from kai_isolator.services.admission.injection import InjectionConfig
 from kai_isolator.services.admission.settings import PolicyMode
 from kai_isolator.services.admission.webhook import Webhook
 

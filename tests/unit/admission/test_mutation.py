@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import orjson
 import pytest
 
-from kai_isolator.services.admission.mutation import (
-    GRANT_VOLUME, STATE_VOLUME, USAGE_CACHE_PATH, VGPU_VOLUME, InjectionConfig, NoTargetContainer, find_target, is_gpu_sharing,
-    patch_ops, read_pod,
-)
+from kai_isolator.shared.contract import GRANT_VOLUME, STATE_VOLUME, USAGE_CACHE_PATH, VGPU_VOLUME
+from kai_isolator.services.admission.injection import InjectionConfig
+from kai_isolator.services.admission.mutation import patch_ops
+from kai_isolator.services.admission.pod import NoTargetContainer, find_target, is_gpu_sharing, read_pod
 from kai_isolator.services.admission.webhook import Webhook
 
 LIB_MOUNT = {"name": VGPU_VOLUME, "mountPath": "/usr/local/vgpu", "readOnly": True}

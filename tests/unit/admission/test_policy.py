@@ -9,7 +9,8 @@ from typing import Any
 import jsonpatch
 import pytest
 
-from kai_isolator.services.admission.mutation import GRANT_VOLUME, STATE_VOLUME, VGPU_VOLUME, InjectionConfig
+from kai_isolator.shared.contract import GRANT_VOLUME, STATE_VOLUME, VGPU_VOLUME
+from kai_isolator.services.admission.injection import InjectionConfig
 from kai_isolator.services.admission.webhook import Webhook
 
 FRACTION = {"gpu-fraction": "0.5"}

@@ -17,10 +17,10 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kai_isolator.services.admission.mutation import (
-    GRANT_VOLUME, STATE_VOLUME, VGPU_VOLUME, InjectionConfig, NoTargetContainer, PodUnreadable, find_target, patch_ops, read_pod,
-    readiness_gate_ops,
-)
+from kai_isolator.shared.contract import GRANT_VOLUME, STATE_VOLUME, VGPU_VOLUME
+from kai_isolator.services.admission.injection import InjectionConfig
+from kai_isolator.services.admission.mutation import patch_ops, readiness_gate_ops
+from kai_isolator.services.admission.pod import NoTargetContainer, PodUnreadable, find_target, read_pod
 from kai_isolator.services.admission.webhook import Webhook
 
 K8S_VERSION = "1.33"

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import jsonpatch
 
-from kai_isolator.services.admission.mutation import InjectionConfig
+from kai_isolator.services.admission.injection import InjectionConfig
 from kai_isolator.services.admission.webhook import Webhook
 from kai_isolator.shared.operator_view import ISOLATED_CONDITION
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from kai_isolator.services.admission.mutation import InjectionConfig
+from kai_isolator.services.admission.injection import InjectionConfig
 from kai_isolator.services.admission.replay import Replays
 from kai_isolator.services.admission.webhook import Answer, Webhook
 

@@ -35,6 +35,30 @@ def test_first_install_lays_out_a_complete_directory(host_root: Path, libraries:
     assert state.installed and state.active_version == version and state.problems == []
 
 
+def test_first_install_into_a_mounted_directory_of_a_read_only_root(host_root: Path, libraries: Libraries, tmp_path: Path) -> None:
+    """The DaemonSet's view: /host-root is the container's read-only root, the library and state directories hostPaths
+    mounted on it, so nothing can be staged beside the library directory; the install goes into it, preload file last."""
+    mounted, state = tmp_path / "hostpath", tmp_path / "state"
+    mounted.mkdir()
+    state.mkdir()
+    (host_root / "usr/local/vgpu").mkdir(parents=True)
+    (host_root / "var/lib/kai-isolator").mkdir(parents=True)
+    script = (f"from kai_isolator.services.nodeagent import install; from kai_isolator.services.nodeagent.layout import HostLayout; "
+              f"from pathlib import Path; print(install.install(HostLayout(Path({str(host_root)!r})), Path({str(libraries.v1)!r})))")
+    root = str(host_root)
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                           f'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && mount --bind "$2" "$1/usr/local/vgpu" && '
+                           f'mount --bind "$3" "$1/var/lib/kai-isolator" && exec "$4" -c "$5"',
+                           "sh", root, str(mounted), str(state), sys.executable, script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done
+    version = done.stdout.strip()
+    assert version == version_of(libraries.v1.read_bytes())
+    assert sorted(os.listdir(mounted)) == ["ld.so.preload", "libvgpu.so", f"libvgpu.so.{version}"]
+    assert (mounted / "ld.so.preload").read_text() == "/usr/local/vgpu/libvgpu.so\n"
+    assert os.readlink(mounted / "libvgpu.so") == f"libvgpu.so.{version}"
+    assert not [p for p in (host_root / "usr/local").iterdir() if p.name != "vgpu"]
+
+
 def test_custom_mount_is_what_preload_names(host_root: Path, libraries: Libraries) -> None:
     layout = HostLayout(host_root, "/opt/vgpu")
     install.install(layout, libraries.v1)

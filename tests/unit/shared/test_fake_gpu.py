@@ -63,3 +63,21 @@ def test_a_card_it_cannot_be_is_refused_at_start(tmp_path: Path) -> None:
 def test_a_driver_that_is_not_built_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(FakeGpuError, match="the fake driver is not built"):
         FakeGpu(tmp_path / "driver", build=tmp_path / "nowhere").start()
+
+
+def test_a_work_dir_longer_than_a_socket_path_still_holds_the_gpu(tmp_path: Path) -> None:
+    """A node's driver folder under a test's tmp_path easily passes the 108 bytes a socket path may have (the
+    demo's did): the ledger binds, and the fake libraries reach it, through the folder's descriptor."""
+    folder = tmp_path / ("a-node-work-dir-" + "x" * 60) / "host-gpu-node-1" / "usr" / "lib" / "nvidia-driver"
+    assert len(str(folder / fake_gpu.SOCKET_NAME)) > 108
+    with FakeGpu(folder, total_mib=1024) as gpu:
+        assert gpu.stats()["total"] == 1024 << 20
+        cuda = subprocess.run([sys.executable, "-c", (
+            "import ctypes, sys\n"
+            f"cu = ctypes.CDLL({str(gpu.folder / 'libcuda.so.1')!r})\n"
+            "total = ctypes.c_size_t()\n"
+            "assert cu.cuInit(0) == 0, 'cuInit'\n"
+            "assert cu.cuDeviceTotalMem_v2(ctypes.byref(total), 0) == 0\n"
+            "print(total.value)\n")], capture_output=True, text=True, timeout=30, check=False)
+        assert cuda.returncode == 0, cuda.stderr
+        assert int(cuda.stdout) == 1024 << 20  # the ledger's card, not the in-process default

@@ -8,7 +8,9 @@ from typing import Any
 import jsonpatch
 import pytest
 
-from kai_isolator.services.admission.mutation import InjectionConfig, desired_for, find_target, patch_ops, read_pod
+from kai_isolator.services.admission.injection import InjectionConfig, desired_for
+from kai_isolator.services.admission.mutation import patch_ops
+from kai_isolator.services.admission.pod import find_target, read_pod
 from kai_isolator.services.watcher.settings import WatcherSettings
 from kai_isolator.services.watcher.story import view_of
 
