@@ -14,7 +14,7 @@ CUDA_HEADERS := $(CUDA_HOME)/include/cuda.h
 endif
 export CUDA_HOME
 
-.PHONY: test run hami-core bench clean contract contract-tools control-plane images real-node kai
+.PHONY: test run hami-core bench clean contract contract-tools control-plane images real-node kai docs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ contract: $(STAMP)
 
 contract-tools:
 	$(MAKE) -C docs/events tools
+
+# docs/configuration.md: every setting and flag, generated from the settings models and the CLI's parsers
+# (tests/docs fails while the committed page differs).
+docs: $(STAMP)
+	$(BIN)/python -m kai_isolator.services.config_docs docs/configuration.md
 
 # The real etcd, kube-apiserver and kubectl the tests run against, and the promtool that checks the alert rules,
 # built from services/devcluster/go once per version into ~/.cache/kai-isolator/kube (KAI_ISOLATOR_KUBE_CACHE

@@ -23,13 +23,13 @@ class BusSettings(_Settings):
     """Where the NATS server is and how the runtime treats messages."""
 
     nats_url: str | None = Field(None, description="NATS server URL(s), comma separated; unset = start an embedded server")
-    nats_user: str | None = None
-    nats_password: str | None = None
-    nats_token: str | None = None
+    nats_user: str | None = Field(None, description="NATS user name (with the password)")
+    nats_password: str | None = Field(None, description="NATS password")
+    nats_token: str | None = Field(None, description="NATS token")
     nats_creds_file: Path | None = Field(None, description="NATS .creds file (JWT + nkey)")
-    nats_tls_ca_file: Path | None = None
-    nats_tls_cert_file: Path | None = None
-    nats_tls_key_file: Path | None = None
+    nats_tls_ca_file: Path | None = Field(None, description="CA bundle the NATS server's certificate is checked against (TLS)")
+    nats_tls_cert_file: Path | None = Field(None, description="client certificate for mutual TLS to NATS (with the key file)")
+    nats_tls_key_file: Path | None = Field(None, description="client private key for mutual TLS to NATS")
     nats_connect_timeout_s: float = Field(30.0, gt=0, description="give up on the first connection after this long")
     stream_max_age_s: float = Field(7 * 24 * 3600, gt=0, description="how long the event stream keeps events")
     duplicate_window_s: float = Field(120.0, gt=0, description="JetStream de-duplication window for Nats-Msg-Id")
@@ -37,8 +37,8 @@ class BusSettings(_Settings):
     ack_wait_s: float = Field(30.0, gt=0, description="redeliver a message not acked within this long")
     backoff_base_s: float = Field(0.5, gt=0, description="first retry delay; doubles per delivery")
     backoff_max_s: float = Field(30.0, gt=0, description="cap of the retry delay")
-    fetch_batch: int = Field(64, ge=1, le=1024)
-    request_timeout_s: float = Field(5.0, gt=0)
+    fetch_batch: int = Field(64, ge=1, le=1024, description="messages fetched per pull")
+    request_timeout_s: float = Field(5.0, gt=0, description="request/reply timeout")
     jetstream_timeout_s: float = Field(5.0, gt=0, description="a JetStream or KV call gives up after this long (e.g. while NATS is away)")
     nats_replicas: int = Field(1, ge=1, le=5, description="replicas of the stream and KV buckets: 1 on one server, 3 on a three-node JetStream cluster")
     nats_ping_interval_s: float = Field(5.0, gt=0, description="ping the server this often; two unanswered pings (a paused or partitioned server) mean reconnect to another")
@@ -63,7 +63,7 @@ class ProbeSettings(_Settings):
 
 
 class LogSettings(_Settings):
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="the least severe level logged")
     log_json: bool = Field(False, description="one JSON object per line instead of key=value text")
 
 
