@@ -39,7 +39,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--on-breach", choices=["kill", "evict", "warn"],
                         help="what a container over its grant gets: kill its biggest processes (default), evict the pod, or warn")
     parser.add_argument("--breach-tolerance-mib", type=int,
-                        help="allowed over the grant per process and device, for the driver's context reservations (default 512)")
+                        help="allowed over the grant per container and device, however many processes it runs, for the driver's context reservations (default 512)")
     parser.add_argument("--nvml-library", help="NVML library the enforcer loads (default libnvidia-ml.so.1)")
     parser.add_argument("--probe-listen", help="HOST:PORT for /healthz, /readyz, /metrics (default 0.0.0.0:8081)")
     actions = parser.add_subparsers(dest="action", metavar="ACTION")
