@@ -9,14 +9,13 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from real_node_support import HAMI_BUILD, Node
+from real_node_support import HAMI_BUILD, Node, until
 from kai_isolator.services.admission import dev as admission_dev
 from kai_isolator.services.dev import DevContext
 from kai_isolator.services.nodeagent.agent import NodeAgent
@@ -91,17 +90,6 @@ def isolated_node(real_node_session: Node, cuda_image: str, tmp_path_factory: py
         with contextlib.suppress(Exception):
             real_node_session.loop.run(running.__aexit__(None, None, None), 60)
         nats.kill()
-
-
-def until(what: str, check: Any, timeout_s: float = 60) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not so after {timeout_s:.0f}s")
-        time.sleep(0.25)
 
 
 def test_the_seeds_pod_runs_isolated_in_runc(isolated_node: Node) -> None:
