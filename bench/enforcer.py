@@ -24,7 +24,7 @@ from pathlib import Path
 from kai_isolator.services.demo.kubelet import CgroupPlacement, cgroup_hierarchies, new_container_id
 from kai_isolator.services.nodeagent.agent import make_enforcer
 from kai_isolator.services.nodeagent.enforce import Enforcer, KnownPods, Target
-from kai_isolator.services.nodeagent.grants import write_grant
+from kai_isolator.services.nodeagent.grant_files import write_grant
 from kai_isolator.services.nodeagent.nvml import Nvml
 from kai_isolator.services.nodeagent.settings import NodeAgentSettings
 from kai_isolator.shared.events import Breach

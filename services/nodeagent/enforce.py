@@ -32,7 +32,7 @@ from kai_isolator.shared.events import (
 )
 from kai_isolator.shared.grant import Grant
 
-from . import grants
+from . import grant_files
 from .nvml import DriverSnapshot, NvmlError
 
 log = logging.getLogger(__name__)
@@ -215,13 +215,13 @@ class KnownPods:
     def _grant(self, uid: str, container: str) -> Grant | None:
         # Re-read only when the file changed: the grant keeper replaces it by rename, so the inode moves.
         try:
-            path = grants.grant_path(self.grant_root, uid, container)
+            path = grant_files.grant_path(self.grant_root, uid, container)
             stamp = path.stat().st_ino
         except (OSError, ConfigError):
             return None
         cached = self._grants.get((uid, container))
         if cached is None or cached[0] != stamp:
-            cached = (stamp, grants.read_grant(self.grant_root, uid, container))
+            cached = (stamp, grant_files.read_grant(self.grant_root, uid, container))
             self._grants[(uid, container)] = cached
         return cached[1]
 

@@ -1,5 +1,5 @@
-"""Per-container grants: computed from KAI's ConfigMap and cross-checked against the pod's annotation, written
-root-owned and read-only where the webhook mounts them, for every GPU-sharing pod bound to this node.
+"""Per-container grants for every GPU-sharing pod bound to this node: the pods watched from the API, each grant
+computed (grant_decision.py) and written (grant_files.py), and every decision published.
 
 The tenant can edit the ConfigMap in its namespace, so the grant takes the smaller of the two values and
 says why; a grant once written is never raised. Missing or invalid inputs mean no grant (libvgpu.so then
@@ -15,10 +15,7 @@ import hashlib
 import json
 import logging
 import os
-import re
-import shutil
-import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,295 +25,18 @@ import yaml
 from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config import ConfigException
-from pydantic import ValidationError
 
-from kai_isolator.shared.contract import FRACTION_CONTAINER_ANNOTATION, GRANT_FILE, LIMIT_ENV, is_gpu_sharing
+from kai_isolator.shared.contract import FRACTION_CONTAINER_ANNOTATION, LIMIT_ENV, is_gpu_sharing
 from kai_isolator.shared.errors import ConfigError
 from kai_isolator.shared.events import GrantDecision, PodRef, Reason
-from kai_isolator.shared.grant import (
-    GPU_MEMORY_NODE_LABEL, DeviceGrant, Grant, GrantSource, annotation_limit_bytes, grant_dir_name,
-)
-from kai_isolator.shared.limits import parse_limit
+from kai_isolator.shared.grant import GPU_MEMORY_NODE_LABEL, Grant
+
+from .grant_decision import DEVICES_ENV, Decision, EnvRef, Inputs, Obj, decide, env_ref, never_raised, target_container
+from .grant_files import collect_stale, read_grant, remove_grants, write_grant
 
 log = logging.getLogger(__name__)
 
-Obj = dict[str, Any]
-DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
-KAI_CONFIGMAP_ANNOTATION = "runai/shared-gpu-configmap"  # KAI's admission names every GPU-sharing pod's ConfigMaps here
-CDI_GPU_PREFIX = "k8s.device-plugin.nvidia.com/gpu="
-_DEVICE_ID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9/-]+$")
-# What may become one path component of the grant dir: a pod uid and a DNS-label container name.
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,252}$")
-_TEMP_PREFIX = ".grant.json."
 _TIMEOUT = aiohttp.ClientTimeout(total=30)
-
-
-# --- computing a grant ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EnvRef:
-    """Where an env var of the target gets its value: a literal, or a key of a ConfigMap."""
-
-    literal: str | None = None
-    configmap: str | None = None
-    key: str = ""
-
-
-@dataclass(frozen=True)
-class Inputs:
-    """What one computation read: the env values as the container will see them, and the node's card size."""
-
-    limit: str | None
-    devices: str | None
-    node_label: str | None
-    missing_configmaps: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The grant to write (or none), with the reasons a reader needs when the inputs disagreed or were missing."""
-
-    container: str
-    grant: Grant | None
-    reasons: tuple[Reason, ...] = ()
-    configmap_limit_bytes: int | None = None
-    annotation_limit_bytes: int | None = None
-    retry: bool = False  # an input may still appear (a ConfigMap not written yet)
-
-
-def target_container(pod: Obj) -> Obj | None:
-    """The fraction container as KAI resolves it: the named one (init containers first), else containers[0]."""
-    spec = pod.get("spec") or {}
-    wanted = ((pod.get("metadata") or {}).get("annotations") or {}).get(FRACTION_CONTAINER_ANNOTATION)
-    if wanted:
-        for key in ("initContainers", "containers"):
-            for container in spec.get(key) or []:
-                if isinstance(container, dict) and container.get("name") == wanted:
-                    return container
-        return None
-    containers = spec.get("containers") or []
-    return containers[0] if containers and isinstance(containers[0], dict) else None
-
-
-def env_ref(container: Obj, name: str) -> EnvRef | None:
-    """The last definition of `name` in the container's env wins, as in kubelet."""
-    found = None
-    for item in container.get("env") or []:
-        if not isinstance(item, dict) or item.get("name") != name:
-            continue
-        if item.get("value") is not None:
-            found = EnvRef(literal=str(item["value"]))
-            continue
-        ref = (item.get("valueFrom") or {}).get("configMapKeyRef") or {}
-        found = EnvRef(configmap=str(ref["name"]), key=str(ref.get("key") or name)) if ref.get("name") else None
-    return found
-
-
-def parse_devices(value: str) -> tuple[str, ...]:
-    """GPU UUIDs from NVIDIA_VISIBLE_DEVICES as KAI writes it: comma-separated, possibly in CDI form."""
-    ids = [token.strip().removeprefix(CDI_GPU_PREFIX) for token in value.split(",") if token.strip()]
-    if not ids:
-        raise ConfigError(f"{DEVICES_ENV} names no device: {value!r}")
-    bad = [i for i in ids if not _DEVICE_ID.match(i)]
-    if bad:
-        raise ConfigError(f"{DEVICES_ENV} entries are not GPU UUIDs: {', '.join(map(repr, bad))}")
-    if len(set(ids)) != len(ids):
-        raise ConfigError(f"{DEVICES_ENV} names a device twice: {value!r}")
-    return tuple(ids)
-
-
-def decide(pod: Obj, container: Obj, inputs: Inputs) -> Decision:
-    """The grant for `container` of `pod`: min(ConfigMap limit, annotation recomputation) on each listed device."""
-    meta = pod.get("metadata") or {}
-    name = str(container.get("name") or "")
-    reasons: list[Reason] = []
-    if inputs.missing_configmaps:
-        which = ", ".join(inputs.missing_configmaps)
-        return Decision(name, None, (Reason(code="configmap-missing", message=f"ConfigMap {which} not found (yet)"),), retry=True)
-    configmap_limit = annotation_limit = None
-    devices: tuple[str, ...] = ()
-    if inputs.limit is None and inputs.devices is None and KAI_CONFIGMAP_ANNOTATION not in (meta.get("annotations") or {}):
-        return Decision(name, None, (_not_admitted_by_kai(pod, name),))
-    if inputs.limit is None:
-        reasons.append(Reason(code="limit-missing", message=_why_no_limit(container, name)))
-    else:
-        try:
-            configmap_limit = parse_limit(inputs.limit)
-            if configmap_limit <= 0:
-                raise ConfigError(f"{LIMIT_ENV}={inputs.limit!r} is no limit")
-        except ConfigError as error:
-            configmap_limit = None
-            reasons.append(Reason(code="limit-invalid", message=str(error)))
-    if inputs.devices is None:
-        reasons.append(Reason(code="devices-missing", message=f"{DEVICES_ENV} is not set for container {name}"))
-    else:
-        try:
-            devices = parse_devices(inputs.devices)
-        except ConfigError as error:
-            reasons.append(Reason(code="devices-invalid", message=str(error)))
-    try:
-        label = int(inputs.node_label or "")
-    except ValueError:
-        reasons.append(Reason(code="node-label-invalid", message=f"node label {GPU_MEMORY_NODE_LABEL}={inputs.node_label!r} is not a MiB count"))
-    else:
-        try:
-            annotation_limit = annotation_limit_bytes(meta.get("annotations") or {}, label)
-        except ConfigError as error:
-            reasons.append(Reason(code="annotation-invalid", message=str(error)))
-    if configmap_limit is None or annotation_limit is None or not devices:
-        return Decision(name, None, tuple(reasons), configmap_limit, annotation_limit)
-    source = GrantSource.CONFIGMAP if configmap_limit <= annotation_limit else GrantSource.ANNOTATION
-    limit = min(configmap_limit, annotation_limit)
-    why = ""
-    if configmap_limit != annotation_limit:
-        why = (f"ConfigMap {LIMIT_ENV} ({configmap_limit} bytes) disagrees with the {_request(meta)} recomputed on a "
-               f"{inputs.node_label} MiB card ({annotation_limit} bytes); the smaller is granted")
-        reasons.append(Reason(code="limit-disagrees", message=why))
-    grant = Grant(
-        pod_uid=str(meta.get("uid") or ""), namespace=str(meta.get("namespace") or ""), pod=str(meta.get("name") or ""),
-        container=name, devices=tuple(DeviceGrant(uuid=d, limit_bytes=limit) for d in devices), source=source,
-        configmap_limit_bytes=configmap_limit, annotation_limit_bytes=annotation_limit, reason=why,
-    )
-    return Decision(name, grant, tuple(reasons), configmap_limit, annotation_limit)
-
-
-def _not_admitted_by_kai(pod: Obj, name: str) -> Reason:
-    """A GPU-sharing annotation that KAI-Scheduler never acted on: KAI admits only pods naming its scheduler, and always
-    names their ConfigMaps (`runai/shared-gpu-configmap`). No GPU share was allocated, so there is nothing to grant."""
-    scheduler = (pod.get("spec") or {}).get("schedulerName") or "default-scheduler"
-    return Reason(code="not-admitted-by-kai", message=(
-        f"the pod asks for a GPU share ({_request(pod.get('metadata') or {})}) but KAI-Scheduler did not admit it "
-        f"(schedulerName {scheduler!r}, no {KAI_CONFIGMAP_ANNOTATION} annotation): no GPU share was allocated to container "
-        f"{name}, so it gets no grant and every GPU allocation in it fails; set schedulerName: kai-scheduler"))
-
-
-def _why_no_limit(container: Obj, name: str) -> str:
-    if env_ref(container, LIMIT_ENV) is None:
-        return (f"{LIMIT_ENV} is not set for container {name}: KAI's admission gave it none, as KAI does with its hamicore "
-                "plugin off (binder.plugins.hamicore.enabled=false), so there is no limit to grant")
-    return (f"{LIMIT_ENV} is not set for container {name}: KAI's binder wrote none into its ConfigMap, as it does when the "
-            f"node's {GPU_MEMORY_NODE_LABEL} label is missing or not a MiB count")
-
-
-def _request(meta: Obj) -> str:
-    annotations = meta.get("annotations") or {}
-    for key in ("gpu-memory", "gpu-fraction"):
-        if key in annotations:
-            return f"{key} annotation {annotations[key]!r}"
-    return "annotation"
-
-
-def same_grant(a: Grant, b: Grant) -> bool:
-    """Equal but for when they were written."""
-    return a.model_dump(exclude={"written_at"}) == b.model_dump(exclude={"written_at"})
-
-
-def never_raised(new: Grant, old: Grant | None) -> tuple[Grant, Reason | None]:
-    """A grant once written only ever shrinks: the tenant may edit its ConfigMap and its pod's annotations later."""
-    if old is None or old.pod_uid != new.pod_uid:
-        return new, None
-    old_limits = {d.uuid: d.limit_bytes for d in old.devices}
-    if set(old_limits) != {d.uuid for d in new.devices}:
-        return old, Reason(code="grant-kept", message=f"the devices changed from {sorted(old_limits)} after the grant was written; it stays")
-    if any(d.limit_bytes > old_limits[d.uuid] for d in new.devices):
-        return old, Reason(code="grant-kept", message="a later computation would raise the written grant; it stays")
-    return new, None
-
-
-# --- writing a grant --------------------------------------------------------------------
-
-
-def _component(value: str, what: str) -> str:
-    if not _NAME.match(value) or value in (".", ".."):
-        raise ConfigError(f"{what} {value!r} cannot name a grant directory")
-    return value
-
-
-def grant_path(root: Path, pod_uid: str, container: str) -> Path:
-    return root / grant_dir_name(_component(pod_uid, "pod uid"), _component(container, "container name")) / GRANT_FILE
-
-
-def read_grant(root: Path, pod_uid: str, container: str) -> Grant | None:
-    """The grant written earlier, or None when there is none or it is unreadable (it is then rewritten)."""
-    try:
-        return Grant.model_validate_json(grant_path(root, pod_uid, container).read_bytes())
-    except (OSError, ValidationError, ValueError):
-        return None
-
-
-@contextlib.contextmanager
-def _open_dir(path: Path) -> Iterator[int]:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def write_grant(root: Path, grant: Grant) -> bool:
-    """Atomically (re)write the grant, mode 0444, in its 0755 directory; False when it already says this."""
-    path = grant_path(root, grant.pod_uid, grant.container)
-    existing = read_grant(root, grant.pod_uid, grant.container)
-    if existing is not None and same_grant(existing, grant) and (path.stat().st_mode & 0o777) == 0o444:
-        return False
-    root.mkdir(mode=0o755, parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path.parent, 0o755)  # the kubelet may have made it first (subPathExpr)
-    data = grant.model_dump_json().encode()
-    temp = f"{_TEMP_PREFIX}{os.getpid()}.{time.monotonic_ns()}"
-    # Through a directory fd opened without following links: a link planted in the tree is never written through.
-    with _open_dir(path.parent) as directory:
-        os.fchmod(directory, 0o755)
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444, dir_fd=directory)
-        try:
-            os.fchmod(fd, 0o444)
-            os.write(fd, data)
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            os.unlink(temp, dir_fd=directory)
-            raise
-        os.close(fd)
-        os.replace(temp, GRANT_FILE, src_dir_fd=directory, dst_dir_fd=directory)
-        os.fsync(directory)
-    return True
-
-
-def granted_pods(root: Path) -> dict[str, list[Path]]:
-    """Pod uid -> its grant directories found on the host."""
-    found: dict[str, list[Path]] = {}
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir(root):
-            uid, sep, _ = entry.name.partition("_")
-            if sep and entry.is_dir(follow_symlinks=False):
-                found.setdefault(uid, []).append(Path(entry.path))
-    return found
-
-
-def remove_grants(root: Path, pod_uid: str) -> list[str]:
-    """Remove every grant directory of a pod; the container names whose grants were removed."""
-    removed = []
-    for directory in granted_pods(root).get(pod_uid, []):
-        shutil.rmtree(directory, ignore_errors=True)
-        removed.append(directory.name.partition("_")[2])
-    return removed
-
-
-def collect_stale(root: Path, live: set[str], grace_s: float) -> list[str]:
-    """Remove grant directories of pods no longer on this node, once untouched for `grace_s` (a pod bound
-    after the listing may have had its directory made by the kubelet meanwhile)."""
-    removed = []
-    now = time.time()
-    for uid, directories in granted_pods(root).items():
-        if uid in live:
-            continue
-        for directory in directories:
-            with contextlib.suppress(FileNotFoundError):
-                if now - directory.stat().st_mtime >= grace_s:
-                    shutil.rmtree(directory, ignore_errors=True)
-                    removed.append(directory.name)
-    return removed
 
 
 # --- the pod source ---------------------------------------------------------------------

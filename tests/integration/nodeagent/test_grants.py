@@ -22,7 +22,8 @@ from kubernetes_asyncio import client, config
 
 from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.services.devcluster.kai import fake_gpu_uuid
-from kai_isolator.services.nodeagent.grants import GrantKeeper, grant_path, read_grant
+from kai_isolator.services.nodeagent.grant_files import grant_path, read_grant
+from kai_isolator.services.nodeagent.grants import GrantKeeper
 from kai_isolator.shared import subjects
 from kai_isolator.shared.events import GrantDecision, decode
 from kai_isolator.shared.grant import GrantSource

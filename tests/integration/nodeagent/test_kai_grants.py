@@ -12,7 +12,7 @@ from typing import Any
 
 from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.services.devcluster.kai import GPU_MEMORY_LABEL, KaiOptions
-from kai_isolator.services.nodeagent.grants import grant_path
+from kai_isolator.services.nodeagent.grant_files import grant_path
 
 NODE = "gpu-node-1"
 Obj = dict[str, Any]

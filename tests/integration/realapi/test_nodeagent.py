@@ -12,7 +12,8 @@ from kubernetes_asyncio import config
 from kai_isolator.services.devcluster.plane import ControlPlane
 from control_plane.fixtures import NAMESPACE, make_namespace
 from control_plane.node import NO_WEBHOOK, Cluster, GpuNode, gpu_pod
-from kai_isolator.services.nodeagent.grants import GrantKeeper, grant_path, read_grant
+from kai_isolator.services.nodeagent.grant_files import grant_path, read_grant
+from kai_isolator.services.nodeagent.grants import GrantKeeper
 from kai_isolator.services.devcluster.kai import fake_gpu_uuid
 from kai_isolator.shared.events import GrantDecision, PodRef
 from kai_isolator.shared.grant import GrantSource

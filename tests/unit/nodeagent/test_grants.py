@@ -11,10 +11,8 @@ from typing import Any
 
 import pytest
 
-from kai_isolator.services.nodeagent.grants import (
-    Inputs, collect_stale, decide, env_ref, grant_path, never_raised, parse_devices, read_grant, remove_grants,
-    target_container, write_grant,
-)
+from kai_isolator.services.nodeagent.grant_decision import Inputs, decide, env_ref, never_raised, parse_devices, target_container
+from kai_isolator.services.nodeagent.grant_files import collect_stale, grant_path, read_grant, remove_grants, write_grant
 from kai_isolator.shared.errors import ConfigError
 from kai_isolator.shared.grant import Grant, GrantSource
 

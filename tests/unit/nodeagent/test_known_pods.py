@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kai_isolator.services.nodeagent.enforce import KnownPods, Target
-from kai_isolator.services.nodeagent.grants import write_grant
+from kai_isolator.services.nodeagent.grant_files import write_grant
 from kai_isolator.shared.cgroups import ContainerCgroup
 from kai_isolator.shared.grant import DeviceGrant, Grant, GrantSource
 
