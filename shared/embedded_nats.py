@@ -210,6 +210,9 @@ class EmbeddedCluster:
                 for member in self.members:
                     member.new_ports()
                 self._route()
+            except BaseException:
+                self.stop()  # no member of a cluster that did not start outlives the failure
+                raise
 
     def stop(self) -> None:
         for member in self.members:

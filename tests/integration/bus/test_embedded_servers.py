@@ -40,3 +40,14 @@ def test_a_cluster_that_loses_a_port_race_starts_on_fresh_ports(tmp_path: Path) 
             first.start()  # a member restarts on its own (new) ports and store, as the fault tests need
         finally:
             cluster.stop()
+
+
+def test_a_cluster_that_cannot_start_leaves_no_server_running(tmp_path: Path) -> None:
+    """A member that cannot start (its store is a file, not a folder) fails the start, and the members that did
+    start are stopped with it instead of outliving the test (they once did, and held their ports for hours)."""
+    cluster = EmbeddedCluster(tmp_path / "cluster")
+    cluster.members[2].store_dir.parent.mkdir(parents=True, exist_ok=True)
+    cluster.members[2].store_dir.write_text("not a store")
+    with pytest.raises(FileExistsError):
+        cluster.start(timeout_s=10)
+    assert [m.pid for m in cluster.members] == [None, None, None]
