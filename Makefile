@@ -29,8 +29,8 @@ $(abspath $(CUDA_WHEEL_DIR))/nvidia/cu13/include/cuda.h: | $(STAMP)
 hami-core: $(CUDA_HEADERS)
 	$(MAKE) -C hami-core CUDA_HOME=$(CUDA_HOME)
 
-# tests/kai runs these of KAI-Scheduler's programs (a target-specific value: `kai` below builds only them for `test`).
-test: KAI_PROGRAMS = admission scheduler binder podgrouper
+# tests/kai and tests/realnode run these of KAI-Scheduler's programs (a target-specific value: `kai` below builds only them for `test`).
+test: KAI_PROGRAMS = admission scheduler binder podgrouper resourcereservation
 test: $(STAMP) hami-core contract-tools control-plane real-node kai
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 

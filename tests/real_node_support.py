@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +93,23 @@ class Node:
 
 # --- the chart and the manifests on the real node, installed as users install them ------------------------------
 
+# The seed's example, verbatim but for the image being a local stand-in of that name (no registry is reachable).
+SEED_POD = """
+apiVersion: v1
+kind: Pod
+metadata:
+  name: gpu-sharing-with-isolation
+  annotations:
+    gpu-memory: "4096"
+spec:
+  schedulerName: kai-scheduler
+  containers:
+  - name: cuda
+    image: nvidia/cuda:12.9.2-base-ubuntu24.04
+    command: ["sleep", "infinity"]
+"""
+SEED_POD_NAME = "gpu-sharing-with-isolation"
+
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "deploy" / "helm" / "kai-resource-isolator"
 DEV_OVERLAY = REPO / "deploy" / "kustomize" / "overlays" / "dev"
@@ -143,6 +163,33 @@ def helm(node: Node, *args: str, timeout_s: float = 300) -> str:
     if done.returncode != 0:
         raise AssertionError(f"helm {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
     return done.stdout
+
+
+@contextlib.contextmanager
+def chart_release(node: Node, volume: str, install_timeout: str = "300s") -> Iterator[float]:
+    """Our chart installed as users install it (`helm install --wait`, only image and NATS values), its images imported
+    into the node first; uninstalled afterwards unless a test did. Yields the seconds install took to all Ready."""
+    imported = import_docker_images(node, CHART_IMAGES, Path.home() / ".cache" / "kai-isolator" / "node-images")
+    print("\nimages imported: " + ", ".join(f"{t} {s:.1f}s" for t, s in imported.items()), file=sys.stderr)
+    nats_volume(node, volume)
+    started = time.monotonic()
+    try:
+        helm(node, "install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
+             *[flag for key, value in CHART_VALUES.items() for flag in ("--set", f"{key}={value}")],
+             "--wait", "--timeout", install_timeout, timeout_s=360)
+    except AssertionError as error:
+        pods = node.kubectl("get", "pods,jobs,pvc", "-n", NAMESPACE, "-o", "wide", check=False)
+        events = node.kubectl("get", "events", "-n", NAMESPACE, "--sort-by=.lastTimestamp", check=False)
+        raise AssertionError(f"{error}\n{pods}\n{events}\n{pod_logs(node, NAMESPACE)}") from None
+    took = time.monotonic() - started
+    print(f"helm install to all Ready: {took:.1f}s", file=sys.stderr)
+    try:
+        yield took
+    finally:
+        if RELEASE in helm(node, "list", "-n", NAMESPACE, "-q"):
+            helm(node, "uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "120s", timeout_s=180)
+        node.kubectl("delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true", check=False, timeout_s=120)
+        node.kubectl("delete", "pv", volume, "--ignore-not-found", check=False)
 
 
 def until(what: str, check: Any, timeout_s: float = 60) -> Any:

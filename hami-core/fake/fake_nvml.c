@@ -72,6 +72,19 @@ EXPORT nvmlReturn_t nvmlInit_v2(void) {
 
 nvmlReturn_t fake_nvmlInit_v1(void) { return nvmlInit_v2(); }
 
+/* Clients print it on every failed call (go-nvml's ErrorString, as KAI's reservation pod does). */
+EXPORT const char *nvmlErrorString(nvmlReturn_t result) {
+    switch (result) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    case NVML_ERROR_FUNCTION_NOT_FOUND: return "Function Not Found";
+    default: return "Unknown Error";
+    }
+}
+
 EXPORT nvmlReturn_t nvmlShutdown(void) {
     initialised = 0;
     return NVML_SUCCESS;

@@ -71,6 +71,7 @@ class DevCluster:
         self.kubelets: dict[str, SimulatedKubelet] = {}
         self.kai_admission = KaiAdmission(self.workdir / "kai")
         self.scheduler: KaiScheduler | None = None
+        self._stopped_scheduler: KaiScheduler | None = None
         self.startup_s: dict[str, float] = {}
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -124,6 +125,29 @@ class DevCluster:
         self.kubelets[name] = kubelet
         self.nodes[name] = gpu_memory_mib
         return kubelet
+
+    async def stop_simulated_kai(self) -> None:
+        """Take the simulated KAI away (its admission's registration, its scheduler), so the real one can run here."""
+        if self.scheduler is not None:
+            await self.scheduler.stop()
+            self._stopped_scheduler = self.scheduler
+            self.scheduler = None
+        name = self.kai_admission.configuration()["metadata"]["name"]
+        with contextlib.suppress(ApiCallError):
+            await self.request("DELETE", resource_path("mutatingwebhookconfigurations", None, name))
+
+    async def start_simulated_kai(self) -> None:
+        """Put the simulated KAI back after `stop_simulated_kai`, with the nodes it knew, in force before this returns."""
+        name = self.kai_admission.configuration()["metadata"]["name"]
+        with contextlib.suppress(ApiCallError):
+            await self.request("DELETE", resource_path("mutatingwebhookconfigurations", None, name))
+        await self.request("POST", resource_path("mutatingwebhookconfigurations"), self.kai_admission.configuration())
+        await self._until_admitted(PROBE_NAMESPACE, lambda pod: any(e["name"] == LIMIT_ENV for e in pod["spec"]["containers"][0].get("env") or []),
+                                   "KAI's admission")
+        assert self.api is not None and self._stopped_scheduler is not None
+        self.scheduler = KaiScheduler(self.api, self._stopped_scheduler.nodes, self.step_s, self._stopped_scheduler.options)
+        self.scheduler.only_kai_pods = self._stopped_scheduler.only_kai_pods
+        self.scheduler.start()
 
     async def stop(self) -> None:
         if self.scheduler is not None:

@@ -29,9 +29,9 @@ def now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def node_object(name: str, gpu_memory_mib: int) -> Obj:
-    capacity = {"cpu": "16", "memory": "128Gi", "pods": "110", "nvidia.com/gpu": "1"}
-    labels = {HOSTNAME_LABEL: name, GPU_MEMORY_LABEL: str(gpu_memory_mib), "nvidia.com/gpu.count": "1", SIMULATED_LABEL: "true"}
+def node_object(name: str, gpu_memory_mib: int, gpus: int = 1) -> Obj:
+    capacity = {"cpu": "16", "memory": "128Gi", "pods": "110", "nvidia.com/gpu": str(gpus)}
+    labels = {HOSTNAME_LABEL: name, GPU_MEMORY_LABEL: str(gpu_memory_mib), "nvidia.com/gpu.count": str(gpus), SIMULATED_LABEL: "true"}
     return {
         "apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels},
         "status": {

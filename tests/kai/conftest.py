@@ -15,8 +15,11 @@ from kai_isolator.services.devcluster.plane import ControlPlane
 from kai.real_kai import TENANT, RealKaiAdmission, RealKaiScheduling, ensure_namespace, ensure_runtime_class, real_admission
 
 T4_NODE = "gpu-node-1"
-# A T4, a 16384 MiB card (where PR #2041 changes the rounding) and a node without the memory label (PR #2157).
-NODES = {T4_NODE: {GPU_MEMORY_LABEL: "15360"}, "card-16384": {GPU_MEMORY_LABEL: "16384"}, "unlabelled": {}}
+TWO_GPU_NODE = "two-t4s"
+# A T4, a 16384 MiB card (where PR #2041 changes the rounding), a node without the memory label (PR #2157), and a node
+# with two T4s (gpu-fraction-num-devices).
+NODES = {T4_NODE: {GPU_MEMORY_LABEL: "15360"}, "card-16384": {GPU_MEMORY_LABEL: "16384"}, "unlabelled": {},
+         TWO_GPU_NODE: {GPU_MEMORY_LABEL: "15360", "nvidia.com/gpu.count": "2"}}
 
 
 @pytest.fixture(scope="session")

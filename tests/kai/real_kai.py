@@ -198,6 +198,12 @@ def real_admission(plane: ControlPlane, workdir: Path, hamicore: bool) -> Iterat
 CRDS = Path("deployments") / "kai-scheduler" / "crds"
 RESERVATION_NAMESPACE = "kai-resource-reservation"
 GPU_INDEX_ANNOTATION = "run.ai/reserve_for_gpu_index"  # what the reservation pod's resourcereservation binary writes
+GPU_COUNT_LABEL = "nvidia.com/gpu.count"
+
+
+# The image the seed's chart names for the reservation pod: global.registry / binder.resourceReservationImage.name :
+# the chart's appVersion (0.0.0 in the source tree), as the operator's Image.Url() spells it.
+RESERVATION_IMAGE = "registry/local/kai-scheduler/resourcereservation:0.0.0"
 
 
 def operator_binder_args(*, hamicore: bool = True) -> list[str]:
@@ -205,15 +211,16 @@ def operator_binder_args(*, hamicore: bool = True) -> list[str]:
     plugins = {"gpusharing": {"enabled": True}, "hamicore": {"enabled": hamicore}}
     return ["--scheduler-name", SCHEDULER_NAME, "--resource-reservation-namespace", RESERVATION_NAMESPACE,
             "--resource-reservation-service-account", RESERVATION_NAMESPACE, "--resource-reservation-app-label", RESERVATION_NAMESPACE,
-            "--plugins", json.dumps(plugins)]
+            "--resource-reservation-pod-image", RESERVATION_IMAGE, "--plugins", json.dumps(plugins)]
 
 
 class RealKaiScheduling:
     """KAI's podgrouper, scheduler (its built-in default configuration) and binder as processes on `plane`, with what
     KAI's chart installs first (its CRDs, the default queues) and what a cluster's controllers would do that this
-    plane lacks: each namespace's `kube-root-ca.crt`, a new node's not-ready taint lifted. A reservation pod is bound
-    to a simulated node where nothing runs it: `serve_reservations` does what its container does through NVML, writing
-    its GPU's UUID on it."""
+    plane lacks: each namespace's `kube-root-ca.crt`, a new node's not-ready taint lifted. On a real node the reservation
+    pod runs KAI's `resourcereservation` program, which asks NVML for its GPU and writes the UUID on its pod; a
+    reservation pod bound to a simulated node has nothing to run it, and `simulate_reservations` does what its container
+    would, writing its GPU's UUID on it."""
 
     def __init__(self, plane: ControlPlane, workdir: Path, source_tree: Path) -> None:
         self.plane, self.workdir, self.source_tree = plane, workdir, source_tree
@@ -250,14 +257,14 @@ class RealKaiScheduling:
                                {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": RESERVATION_NAMESPACE}})
 
     def add_node(self, name: str, labels: dict[str, str]) -> None:
-        node = node_object(name, 15360)
+        node = node_object(name, 15360, int(labels.get(GPU_COUNT_LABEL, "1")))
         status = node.pop("status")
         node["metadata"]["labels"] = {**{k: v for k, v in node["metadata"]["labels"].items() if k != GPU_MEMORY_LABEL}, **labels}
         self.plane.request("POST", "/api/v1/nodes", node)
         self.plane.request("PATCH", f"/api/v1/nodes/{name}/status", {"status": status}, content_type="application/merge-patch+json")
         self.plane.request("PATCH", f"/api/v1/nodes/{name}", {"spec": {"taints": None}}, content_type="application/merge-patch+json")
 
-    def start(self, *, hamicore: bool = True) -> RealKaiScheduling:
+    def start(self, *, hamicore: bool = True, simulate_reservations: bool = True) -> RealKaiScheduling:
         binaries = ensure_kai(("podgrouper", "scheduler", "binder"))
         kubeconfig = str(self.plane.admin_kubeconfig)
         started = time.monotonic()
@@ -270,8 +277,9 @@ class RealKaiScheduling:
                                "--health-probe-bind-address", f"127.0.0.1:{free_port()}", "--metrics-bind-address", "0",
                                f"--kubeconfig={kubeconfig}"])
         self.started_s = time.monotonic() - started
-        self._reserver = threading.Thread(target=self._serve_reservations, daemon=True)
-        self._reserver.start()
+        if simulate_reservations:
+            self._reserver = threading.Thread(target=self._serve_reservations, daemon=True)
+            self._reserver.start()
         return self
 
     def _spawn(self, name: str, command: list[str]) -> None:
@@ -281,13 +289,20 @@ class RealKaiScheduling:
                                                 env={**os.environ, "KUBECONFIG": str(self.plane.admin_kubeconfig)})
 
     def _serve_reservations(self) -> None:
+        """Each reservation pod learns a GPU of its node that no other GPU group there holds, as the device plugin would
+        hand it one."""
         while not self._stop.wait(0.1):
             with contextlib.suppress(ApiCallError, OSError):
-                for pod in self.plane.request("GET", f"/api/v1/namespaces/{RESERVATION_NAMESPACE}/pods")["items"]:
+                pods = self.plane.request("GET", f"/api/v1/namespaces/{RESERVATION_NAMESPACE}/pods")["items"]
+                for pod in pods:
                     if pod["spec"].get("nodeName") and GPU_INDEX_ANNOTATION not in (pod["metadata"].get("annotations") or {}):
+                        held = {(p["metadata"].get("annotations") or {}).get(GPU_INDEX_ANNOTATION) for p in pods
+                                if p["spec"].get("nodeName") == pod["spec"]["nodeName"]}
+                        free = next(i for i in range(64) if fake_gpu_uuid(i) not in held)
                         self.plane.request("PATCH", f"/api/v1/namespaces/{RESERVATION_NAMESPACE}/pods/{pod['metadata']['name']}",
-                                           {"metadata": {"annotations": {GPU_INDEX_ANNOTATION: fake_gpu_uuid(0)}}},
+                                           {"metadata": {"annotations": {GPU_INDEX_ANNOTATION: fake_gpu_uuid(free)}}},
                                            content_type="application/merge-patch+json")
+                        pod.setdefault("metadata", {}).setdefault("annotations", {})[GPU_INDEX_ANNOTATION] = fake_gpu_uuid(free)
 
     def check_alive(self) -> None:
         for name, process in self.processes.items():

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from kai_isolator.services.devcluster.kai import (
-    CONFIGMAP_ANNOTATION, GPU_GROUP_LABEL, GPU_MEMORY_LABEL, RECEIVED_TYPE_ANNOTATION, binder_configmaps, fake_gpu_uuid, gpu_portion,
-    node_gpu_memory_mib,
+    CONFIGMAP_ANNOTATION, DEVICES_ENV, GPU_GROUP_LABEL, GPU_MEMORY_LABEL, RECEIVED_TYPE_ANNOTATION, binder_configmaps, fake_gpu_uuid,
+    gpu_portion, node_gpu_memory_mib, num_devices,
 )
 from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane
-from kai.conftest import NODES, T4_NODE
+from kai.conftest import NODES, T4_NODE, TWO_GPU_NODE
 from kai.real_kai import TENANT, RealKaiScheduling
 
 pytestmark = pytest.mark.timeout(900)  # the first run builds KAI's scheduler, binder and podgrouper (minutes)
@@ -52,10 +52,14 @@ def configmaps_of(plane: ControlPlane, pod: Obj) -> list[Obj]:
                    for c in items if c["metadata"]["name"].startswith(prefix)), key=lambda c: str(c["name"]))
 
 
-def simulated_configmaps(pod: Obj) -> list[Obj]:
+def devices_of(configmaps: list[Obj]) -> list[str]:
+    return [d for c in configmaps for d in (c["data"].get(DEVICES_ENV) or "").split(",") if d]
+
+
+def simulated_configmaps(pod: Obj, devices: list[str]) -> list[Obj]:
     labels = NODES[pod["spec"]["nodeName"]]
     portion = gpu_portion(pod["metadata"]["annotations"], node_gpu_memory_mib(labels.get(GPU_MEMORY_LABEL)))
-    made = binder_configmaps(pod, labels, portion, [fake_gpu_uuid(0)])
+    made = binder_configmaps(pod, labels, portion, devices)
     return sorted(({"name": c["metadata"]["name"], "data": c.get("data") or {}, "owners": c["metadata"]["ownerReferences"]} for c in made),
                   key=lambda c: str(c["name"]))
 
@@ -77,12 +81,14 @@ CASES = {
     "gpu-memory 4096 on a 16384 MiB card": kai_pod("card-16384", node="card-16384", **{"gpu-memory": "4096"}),
     # and from before PR #2157: with no memory label it binds a fraction and writes no limit.
     "gpu-fraction 0.5 without a memory label": kai_pod("unlabelled", node="unlabelled", **{"gpu-fraction": "0.5"}),
+    # Half of each of two GPUs: one limit, which holds on each device (HAMi-core's contract).
+    "gpu-fraction 0.5 on two devices": kai_pod("two", node=TWO_GPU_NODE, **{"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"}),
 }
 
 # What the real binder writes, spelt out: (GPU_PORTION, CUDA_DEVICE_MEMORY_LIMIT or None).
 WRITTEN = {"the seed's gpu-memory 4096": ("0.27", "4147m"), "gpu-fraction 0.5": ("0.50", "7680m"),
            "an init-container target": ("0.25", "3840m"), "gpu-memory 4096 on a 16384 MiB card": ("0.26", "4259m"),
-           "gpu-fraction 0.5 without a memory label": ("0.50", None)}
+           "gpu-fraction 0.5 without a memory label": ("0.50", None), "gpu-fraction 0.5 on two devices": ("0.50", "7680m")}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -93,11 +99,15 @@ def test_the_binder_writes_what_the_simulation_writes(kai_plane: ControlPlane, k
         pod = bound(kai_plane, kai_scheduling, body["metadata"]["name"])
         assert pod["spec"]["nodeName"] == body["spec"]["nodeSelector"]["kubernetes.io/hostname"]
         real = configmaps_of(kai_plane, pod)
-        assert real == simulated_configmaps(pod)
+        # One GPU per GPU group, each learnt by its reservation pod; their order is the scheduler's choice of groups.
+        devices = devices_of(real)
+        assert sorted(devices) == [fake_gpu_uuid(i) for i in range(num_devices(body["metadata"]["annotations"]))], real
+        assert real == simulated_configmaps(pod, devices)
         capabilities = real[0]["data"]
         assert (capabilities["GPU_PORTION"], capabilities.get("CUDA_DEVICE_MEMORY_LIMIT")) == WRITTEN[case]
         assert pod["metadata"]["annotations"][RECEIVED_TYPE_ANNOTATION] == "Fraction"
-        uuid.UUID(pod["metadata"]["labels"][GPU_GROUP_LABEL])  # a GPU group is named by a UUID, as the simulation's are
+        if num_devices(body["metadata"]["annotations"]) == 1:  # several devices are several groups, labelled otherwise
+            uuid.UUID(pod["metadata"]["labels"][GPU_GROUP_LABEL])  # a GPU group is named by a UUID, as the simulation's are
     finally:
         delete(kai_plane, body["metadata"]["name"])
 

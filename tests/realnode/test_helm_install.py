@@ -22,7 +22,7 @@ from kai_isolator.shared.contract import (
     SHARED_CACHE_ENV, STATE_MOUNT_PATH, VGPU_VOLUME,
 )
 from real_node_support import (
-    CHART, CHART_IMAGES, CHART_VALUES, NAMESPACE, RELEASE, Node, gpu_pod, helm, import_docker_images, nats_volume, pod_logs, until, workloads,
+    CHART, CHART_IMAGES, NAMESPACE, RELEASE, Node, chart_release, gpu_pod, helm, import_docker_images, until, workloads,
 )
 
 pytestmark = pytest.mark.timeout(600)
@@ -42,38 +42,16 @@ def active_library(node: Node) -> str | None:
     return f"{DEFAULT_VGPU_MOUNT}/{os.path.basename(os.readlink(link))}"
 
 
-def set_flags(values: dict[str, str]) -> list[str]:
-    return [flag for key, value in values.items() for flag in ("--set", f"{key}={value}")]
-
-
 @pytest.fixture(autouse=True)
 def _pods_of_each_test_go(real_node: Node) -> None:
     """Through `real_node`: the pods each test applied are deleted after it."""
 
 
 @pytest.fixture(scope="module")
-def release(real_node_session: Node, chart_images: None, cuda_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+def release(real_node_session: Node, chart_images: None, cuda_image: str) -> Iterator[Node]:
     """The chart installed once for this module (`helm install --wait`), uninstalled after it unless a test did."""
-    node = real_node_session
-    images = import_docker_images(node, CHART_IMAGES, Path.home() / ".cache" / "kai-isolator" / "node-images")
-    print("\nimages imported: " + ", ".join(f"{t} {s:.1f}s" for t, s in images.items()), file=sys.stderr)
-    nats_volume(node, "kai-isolator-helm-nats")
-    started = time.monotonic()
-    try:
-        helm(node, "install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace", *set_flags(CHART_VALUES),
-             "--wait", "--timeout", INSTALL_TIMEOUT, timeout_s=360)
-    except AssertionError as error:
-        pods = node.kubectl("get", "pods,jobs,pvc", "-n", NAMESPACE, "-o", "wide", check=False)
-        events = node.kubectl("get", "events", "-n", NAMESPACE, "--sort-by=.lastTimestamp", check=False)
-        raise AssertionError(f"{error}\n{pods}\n{events}\n{pod_logs(node, NAMESPACE)}") from None
-    print(f"helm install to all Ready: {time.monotonic() - started:.1f}s", file=sys.stderr)
-    try:
-        yield node
-    finally:
-        if RELEASE in helm(node, "list", "-n", NAMESPACE, "-q"):
-            helm(node, "uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "120s", timeout_s=180)
-        node.kubectl("delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true", check=False, timeout_s=120)
-        node.kubectl("delete", "pv", "kai-isolator-helm-nats", "--ignore-not-found", check=False)
+    with chart_release(real_node_session, "kai-isolator-helm-nats", INSTALL_TIMEOUT):
+        yield real_node_session
 
 
 def test_every_component_comes_up_on_the_real_node(release: Node) -> None:

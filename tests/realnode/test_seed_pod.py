@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from real_node_support import HAMI_BUILD, Node, until
+from real_node_support import HAMI_BUILD, SEED_POD, Node, until
 from kai_isolator.services.admission import dev as admission_dev
 from kai_isolator.services.dev import DevContext
 from kai_isolator.services.nodeagent.agent import NodeAgent
@@ -30,22 +30,6 @@ from kai_isolator.shared.settings import BusSettings
 
 VENV_BIN = Path(sys.executable).parent  # kubectl finds the kubectl-isolator plugin on PATH
 ISOLATED = "kai-resource-isolator.io/Isolated"
-
-# The seed's example, verbatim but for the image being a local stand-in of that name (no registry is reachable).
-SEED_POD = """
-apiVersion: v1
-kind: Pod
-metadata:
-  name: gpu-sharing-with-isolation
-  annotations:
-    gpu-memory: "4096"
-spec:
-  schedulerName: kai-scheduler
-  containers:
-  - name: cuda
-    image: nvidia/cuda:12.9.2-base-ubuntu24.04
-    command: ["sleep", "infinity"]
-"""
 
 
 @contextlib.asynccontextmanager
