@@ -84,13 +84,15 @@ def _decode(data: bytes) -> UsageSnapshot:
     return UsageSnapshot(version=version, last_update_ns=last_update, devices=devices, processes=processes)
 
 
-def read_usage(path: str | os.PathLike[str], attempts: int = 100) -> UsageSnapshot:
-    """Consistent snapshot of the file; a read that overlaps a write is retried."""
+def read_usage(path: str | os.PathLike[str], attempts: int = 100, shown_as: str | None = None) -> UsageSnapshot:
+    """Consistent snapshot of the file; a read that overlaps a write is retried. Errors name
+    the file `shown_as` when given (a /proc/self/fd path says nothing, and changes between reads)."""
+    name = shown_as or str(path)
     try:
         with open(Path(path), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size != FILE_SIZE:
-                raise UsageCacheError(f"{path}: size {size}, expected {FILE_SIZE} (truncated or foreign)")
+                raise UsageCacheError(f"{name}: size {size}, expected {FILE_SIZE} (truncated or foreign)")
             with mmap.mmap(f.fileno(), FILE_SIZE, access=mmap.ACCESS_READ) as view:
                 for _ in range(attempts):
                     before = struct.unpack_from("<Q", view, _SEQ_OFFSET)[0]
@@ -100,5 +102,5 @@ def read_usage(path: str | os.PathLike[str], attempts: int = 100) -> UsageSnapsh
                         return _decode(data)
                     time.sleep(0.0005)
     except OSError as exc:
-        raise UsageCacheError(f"{path}: {exc.strerror}") from exc
-    raise TornReadError(f"{path}: still changing after {attempts} attempts")
+        raise UsageCacheError(f"{name}: {exc.strerror}") from exc
+    raise TornReadError(f"{name}: still changing after {attempts} attempts")

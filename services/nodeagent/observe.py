@@ -262,7 +262,7 @@ def _first_usage(candidates: list[tuple[Path, str]]) -> tuple[list[DeviceUsage],
 def read_cache_in_root(root: Path, path: str) -> usage_cache.UsageSnapshot:
     """read_usage on a file reached only inside `root` (tenants control both the env and the directory)."""
     with procscan.open_in_root(root, path) as fd:
-        return usage_cache.read_usage(f"/proc/self/fd/{fd}")
+        return usage_cache.read_usage(f"/proc/self/fd/{fd}", shown_as=path)
 
 
 def device_usage(snapshot: usage_cache.UsageSnapshot) -> list[DeviceUsage]:

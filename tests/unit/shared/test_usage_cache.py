@@ -3,6 +3,7 @@ retry/failure on torn reads. Files are built here byte by byte from the document
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -60,3 +61,19 @@ def test_missing_file_is_a_typed_error(tmp_path: Path) -> None:
 def test_a_write_in_progress_is_never_returned(tmp_path: Path) -> None:
     with pytest.raises(uc.TornReadError):
         uc.read_usage(write(tmp_path, build_file(seq=3)), attempts=3)
+
+
+def test_errors_name_the_file_as_shown_not_the_descriptor_it_was_read_through(tmp_path: Path) -> None:
+    # The node agent reads through /proc/self/fd/N and confirms a finding by a second read: the
+    # message must be the same both times, whatever descriptor each read got.
+    path = write(tmp_path, build_file()[:1000])
+    held: list[int] = []
+    messages = set()
+    for _ in range(2):
+        held.append(os.open(path, os.O_RDONLY))  # each read goes through a new descriptor number
+        with pytest.raises(uc.UsageCacheError) as error:
+            uc.read_usage(f"/proc/self/fd/{held[-1]}", shown_as="pod_c/usage.cache")
+        messages.add(str(error.value))
+    for fd in held:
+        os.close(fd)
+    assert messages == {f"pod_c/usage.cache: size 1000, expected {uc.FILE_SIZE} (truncated or foreign)"}
