@@ -7,11 +7,13 @@ and it watches only the pods bound to it, as a kubelet does. A DEV AND TEST FIXT
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+import aiohttp
 
 from .api import STRATEGIC_MERGE_PATCH, AsyncApi
 from .kai import GPU_MEMORY_LABEL, HOSTNAME_LABEL, SIMULATED_LABEL
@@ -23,6 +25,7 @@ Obj = dict[str, Any]
 # How long a simulated container runs and how it ends; absent = runs until deleted.
 RUN_SECONDS_ANNOTATION = "devcluster.kai-isolator.io/run-seconds"
 EXIT_CODE_ANNOTATION = "devcluster.kai-isolator.io/exit-code"
+STEP_RETRY_S = 60.0
 
 
 def now_iso() -> str:
@@ -110,18 +113,40 @@ class SimulatedKubelet:
             self._spawn(self._exit_later(pod))
 
     async def _current(self, pod: Obj) -> Obj | None:
+        """The pod as the API server has it now; None once it is gone (or its name is another pod's)."""
         meta = pod["metadata"]
-        try:
-            current = await self.api.request("GET", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}")
-        except ApiCallError:
-            return None
-        return current if current["metadata"]["uid"] == meta["uid"] else None
+        path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+        current = await self._until_answered("GET", path, lambda: self.api.request("GET", path))
+        return current if current is not None and current["metadata"]["uid"] == meta["uid"] else None
 
     async def _patch_status(self, pod: Obj, status: Obj) -> None:
         meta = pod["metadata"]
-        with contextlib.suppress(ApiCallError):  # deleted meanwhile: a kubelet would stop reporting too
-            await self.api.request("PATCH", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
-                                   {"status": status}, content_type=STRATEGIC_MERGE_PATCH)
+        path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status"
+        await self._until_answered("PATCH", path, lambda: self.api.request("PATCH", path, {"status": status}, content_type=STRATEGIC_MERGE_PATCH))
+
+    async def _until_answered(self, method: str, path: str, call: Callable[[], Awaitable[Any]]) -> Any:
+        """A call retried through a loaded or restarting API server, as a kubelet's status manager keeps
+        retrying: a step dropped on one failed call would leave the pod Pending for ever. None on 404
+        (deleted meanwhile: a kubelet stops reporting too); a refusal at once; the last error once
+        STEP_RETRY_S is spent."""
+        deadline = asyncio.get_running_loop().time() + STEP_RETRY_S
+        delay = 0.1
+        while True:
+            try:
+                return await call()
+            except ApiCallError as error:
+                if error.code == 404:
+                    return None
+                if error.code < 500 and error.code != 429:
+                    raise  # a refusal, not a hiccup: retrying would only repeat it
+                failure: Exception = error
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
+                failure = error
+            if asyncio.get_running_loop().time() + delay > deadline:
+                raise failure
+            log.warning("simulated kubelet %s: %s %s failed, retrying: %s", self.name, method, path, failure)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
     async def _run_later(self, pod: Obj) -> None:
         await asyncio.sleep(self.step_s)

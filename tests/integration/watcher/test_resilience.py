@@ -9,17 +9,34 @@ import os
 import sys
 from collections import Counter
 
+import nats
+import nats.js.errors
 import pytest
 
 from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.services.watcher.settings import WatcherSettings
+from kai_isolator.shared import subjects
 from kai_isolator.shared.embedded_nats import EmbeddedNats
+from kai_isolator.shared.events import decode
 from kai_isolator.shared.settings import BusSettings
 from support import eventually
 
 from .conftest import PodEvents, delete_for_good, gpu_pod, phase, until, wait_phase
 
 FULL_STORY = ["admitted", "isolation-missing", "scheduled", "running"]
+
+
+async def last_stored_state(bus: BusSettings, name: str, namespace: str = "default") -> str | None:
+    """The state of the last event the stream holds for the pod: tells a lost publish from a lost delivery."""
+    nc = await nats.connect(bus.nats_url or "", connect_timeout=2, max_reconnect_attempts=0)
+    try:
+        last = await nc.jetstream().get_last_msg(subjects.STREAM_NAME, subjects.pod(namespace, name))
+    except nats.js.errors.NotFoundError:
+        return None
+    finally:
+        await nc.close()
+    _, event = decode(last.data)
+    return getattr(event, "state", None)
 
 
 def assert_exactly_once(events: PodEvents) -> None:
@@ -59,7 +76,9 @@ async def test_killed_mid_stream_and_restarted_loses_and_repeats_nothing(dev_clu
         await eventually(complete, timeout_s=60)
     except AssertionError:
         short = {n: pod_events.states(n) for n in names if pod_events.states(n)[:4] != FULL_STORY}
-        raise AssertionError(f"stories incomplete after the restart: {short}; job-0: {pod_events.states('job-0')}") from None
+        facts = {n: (await phase(dev_cluster, n), await last_stored_state(bus_settings, n)) for n in short}
+        raise AssertionError(f"stories incomplete after the restart: {short}; (phase, last state in the stream): {facts}; "
+                             f"job-0: {pod_events.states('job-0')}") from None
     assert_exactly_once(pod_events)
     assert pod_events.states("job-0") == [*FULL_STORY, "deleted"]
     assert all(pod_events.states(n) == FULL_STORY for n in names[1:])
