@@ -7,6 +7,13 @@ from __future__ import annotations
 GPU_FRACTION_ANNOTATION = "gpu-fraction"
 GPU_MEMORY_ANNOTATION = "gpu-memory"
 FRACTION_CONTAINER_ANNOTATION = "gpu-fraction-container-name"
+NUM_DEVICES_ANNOTATION = "gpu-fraction-num-devices"
+# KAI's admission names every GPU-sharing pod's ConfigMaps here; its binder writes them under that name.
+KAI_CONFIGMAP_ANNOTATION = "runai/shared-gpu-configmap"
+# What KAI books a pod's share from and where it writes the share down: fixed once the pod exists, since the node's
+# grant is computed from them (the webhook refuses an update that changes any).
+GPU_REQUEST_ANNOTATIONS = (GPU_FRACTION_ANNOTATION, GPU_MEMORY_ANNOTATION, NUM_DEVICES_ANNOTATION, FRACTION_CONTAINER_ANNOTATION,
+                           KAI_CONFIGMAP_ANNOTATION)
 INJECT_ANNOTATION = "kai-resource-isolator.io/inject"
 
 # What the webhook injects.

@@ -30,6 +30,8 @@ class DecisionRecord(NamedTuple):
     # A dry run (`kubectl apply --dry-run=server`) creates nothing: its decision is counted but never published,
     # as `sideEffects: None` promises the API server.
     dry_run: bool = False
+    # An AdmissionDecision event tells of a pod's creation; an update's answer is counted and logged, not published.
+    published: bool = True
 
 
 class Answer(NamedTuple):

@@ -10,7 +10,7 @@ from typing import Any
 
 from kai_isolator.shared.contract import (
     CONTAINER_NAME_ENV, CONTAINER_VGPU_MOUNT_ENV, FRACTION_CONTAINER_ANNOTATION as CONTAINER_NAME_ANNOTATION,
-    GPU_FRACTION_ANNOTATION, GPU_MEMORY_ANNOTATION, GRANT_VOLUME, INJECT_ANNOTATION, LIMIT_ENV, POD_UID_ENV,
+    GPU_FRACTION_ANNOTATION, GPU_MEMORY_ANNOTATION, GPU_REQUEST_ANNOTATIONS, GRANT_VOLUME, INJECT_ANNOTATION, LIMIT_ENV, POD_UID_ENV,
     SHARED_CACHE_ENV, STATE_VOLUME, VGPU_VOLUME,
 )
 from kai_isolator.shared.errors import IsolatorError
@@ -95,6 +95,11 @@ def annotations_of(pod: Any) -> dict[str, str]:
 
 def is_gpu_sharing(annotations: dict[str, str]) -> bool:
     return GPU_FRACTION_ANNOTATION in annotations or GPU_MEMORY_ANNOTATION in annotations
+
+
+def changed_gpu_requests(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    """Each GPU-request annotation an update adds, removes or changes, as `key: 'old' -> 'new'` (None for absent)."""
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in GPU_REQUEST_ANNOTATIONS if old.get(key) != new.get(key)]
 
 
 def asks_opt_out(annotations: dict[str, str]) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kai_isolator.shared.contract import GRANT_MOUNT_PATH, PRELOAD_PATH, STATE_MOUNT_PATH
+from kai_isolator.shared.contract import GRANT_MOUNT_PATH, KAI_CONFIGMAP_ANNOTATION, PRELOAD_PATH, STATE_MOUNT_PATH
 
 from .injection import Desired, InjectionConfig
 from .pod import (
@@ -20,8 +20,6 @@ ESCAPE_CAPABILITIES = frozenset({"ALL", "SYS_ADMIN", "SYS_PTRACE", "SYS_MODULE"}
 # The NVIDIA container runtime's device selector, and the values that give a container no GPU.
 DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 NO_DEVICES = frozenset({"", "void", "none"})
-# The annotation naming KAI-Scheduler's per-pod ConfigMaps (`<it>-<index>`, `<it>-<index>-evar`).
-KAI_CONFIGMAP_ANNOTATION = "runai/shared-gpu-configmap"
 
 
 @dataclass(frozen=True)

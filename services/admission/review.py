@@ -28,6 +28,7 @@ class AdmissionRequest(NamedTuple):
     namespace: str
     object: Any
     dry_run: bool
+    old_object: Any = None  # the pod before an UPDATE
 
 
 def parse(raw: bytes) -> AdmissionRequest:
@@ -64,4 +65,5 @@ def parse(raw: bytes) -> AdmissionRequest:
         namespace = metadata.get("namespace") if isinstance(metadata, dict) else None
     operation = request.get("operation") or "CREATE"
     return AdmissionRequest(uid, api_version, kind_name, group, operation if type(operation) is str else str(operation),
-                            namespace if isinstance(namespace, str) else "", obj, request.get("dryRun") is True)
+                            namespace if isinstance(namespace, str) else "", obj, request.get("dryRun") is True,
+                            request.get("oldObject"))

@@ -233,7 +233,7 @@ class AdmissionServer:
             metrics.bad_requests += 1
         else:
             metrics.decisions[record.decision] += 1
-            if not record.dry_run:
+            if record.published and not record.dry_run:
                 self.publisher.offer(record)
             # Denials and warnings are rare and worth a line; every decision only when debugging.
             if record.decision in ("denied", "warned") or log.isEnabledFor(logging.DEBUG):

@@ -13,7 +13,10 @@ from . import review
 from .answer import JSON, TEXT, Answer, DecisionRecord, allowed, bad_request, denied, errored
 from .injection import Desired, InjectionConfig, Shapes
 from .mutation import CleanPatches, carries_nothing_of_ours, plan_ops, readiness_gate_ops
-from .pod import INJECT_ANNOTATION, NoTargetContainer, PodUnreadable, PodView, Target, annotations_of, asks_opt_out, find_target, is_gpu_sharing, read_pod
+from .pod import (
+    INJECT_ANNOTATION, NoTargetContainer, PodUnreadable, PodView, Target, annotations_of, asks_opt_out, changed_gpu_requests, find_target,
+    is_gpu_sharing, read_pod,
+)
 from .policy import findings, judge
 from .replay import Replays
 from .review import AdmissionRequest, BadReview
@@ -71,6 +74,8 @@ class Webhook:
         pod = request.object
         if request.kind != "Pod" or request.group:
             return _allow(request, f"not a Pod ({request.group + '/' if request.group else ''}{request.kind or 'unknown kind'})")
+        if request.operation == "UPDATE":
+            return self._judge_update(request)
         if request.operation != "CREATE":
             return _allow(request, f"operation {request.operation} is not mutated")
         warnings: list[str] = []
@@ -102,6 +107,23 @@ class Webhook:
         body = allowed(request, warnings=warnings, patch_json=patch_json)
         return _answer(request, body, decision, reason, target.name, found, operations)
 
+    def _judge_update(self, request: AdmissionRequest) -> Answer:
+        """An update may change anything of a pod but what KAI booked its GPU share from and named its ConfigMaps by:
+        the node computes the grant from those, so a tenant that edited them after scheduling would grant itself more
+        than was booked. Refused under every policy mode, as the API server refuses a change to an immutable field."""
+        try:
+            if request.old_object is None:
+                raise PodUnreadable("an UPDATE review must carry request.oldObject, the pod before the update")
+            changed = changed_gpu_requests(annotations_of(request.old_object), annotations_of(request.object))
+        except PodUnreadable as error:
+            answer = _deny(request, 400, f"cannot read pod: {error}")
+        else:
+            message = (f"kai-resource-isolator: the GPU-sharing annotations of a pod cannot change once it exists "
+                       f"({'; '.join(changed)}): KAI-Scheduler booked the GPU share from them and the node grants from "
+                       "them; delete the pod and create it again")
+            answer = _deny(request, 422, message) if changed else _allow(request, "the update keeps the GPU request")
+        return _unpublished(answer)
+
     def _patch(self, view: PodView, target: Target, desired: Desired) -> tuple[bytes | None, int]:
         """The patch serialised (None when empty) and its length; a pod that carries nothing of ours
         gets the one its shape always gets."""
@@ -120,6 +142,10 @@ def _answer(request: AdmissionRequest, body: bytes, decision: AdmissionOutcome, 
     record = DecisionRecord(request.uid, request.namespace, pod_name_of(request.object), decision, reason, container,
                             tuple(found), operations, request.dry_run)
     return Answer(200, body, JSON, record)
+
+
+def _unpublished(answer: Answer) -> Answer:
+    return answer._replace(record=answer.record and answer.record._replace(published=False))
 
 
 def _allow(request: AdmissionRequest, reason: str) -> Answer:

@@ -29,6 +29,12 @@ from .kubelet import SimulatedKubelet
 from .plane import ApiCallError, ControlPlane, ControlPlaneError
 
 log = logging.getLogger(__name__)
+# Ours matches updates too (the GPU-request annotations are fixed once a pod exists), so the pod before one counts.
+OUR_MATCH_CONDITION = {
+    "name": "gpu-sharing-pods-only",
+    "expression": f"({GPU_SHARING_CONDITION['expression']}) || (oldObject != null && has(oldObject.metadata.annotations) && "
+                  "('gpu-fraction' in oldObject.metadata.annotations || 'gpu-memory' in oldObject.metadata.annotations))",
+}
 
 Obj = dict[str, Any]
 WEBHOOK_NAME = "kai-resource-isolator"
@@ -267,14 +273,14 @@ class DevCluster:
 
     async def register_webhook(self, url: str, ca_bundle_pem: bytes | str, *, name: str = WEBHOOK_NAME, failure_policy: str = "Ignore",
                                timeout_s: int = 5) -> Obj:
-        """Register our pod-CREATE webhook at `url` as deploy/ does: GPU-sharing pods only, namespaces may opt out."""
+        """Register our pod webhook (CREATE, UPDATE) at `url` as deploy/ does: GPU-sharing pods only, namespaces may opt out."""
         pem = ca_bundle_pem.encode() if isinstance(ca_bundle_pem, str) else ca_bundle_pem
         hook: Obj = {
             "name": f"{name}.kai-isolator.io", "admissionReviewVersions": ["v1"], "sideEffects": "None",
             "clientConfig": {"url": url, "caBundle": base64.b64encode(pem).decode()},
-            "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"], "scope": "Namespaced"}],
+            "rules": [{"operations": ["CREATE", "UPDATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"], "scope": "Namespaced"}],
             "failurePolicy": failure_policy, "timeoutSeconds": timeout_s, "reinvocationPolicy": "IfNeeded",
-            "namespaceSelector": NAMESPACE_OPT_OUT, "matchConditions": [GPU_SHARING_CONDITION],
+            "namespaceSelector": NAMESPACE_OPT_OUT, "matchConditions": [OUR_MATCH_CONDITION],
         }
         body = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration", "metadata": {"name": name}, "webhooks": [hook]}
         with contextlib.suppress(ApiCallError):

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kai_isolator.shared.contract import FRACTION_CONTAINER_ANNOTATION, LIMIT_ENV
+from kai_isolator.shared.contract import FRACTION_CONTAINER_ANNOTATION, KAI_CONFIGMAP_ANNOTATION, LIMIT_ENV, NUM_DEVICES_ANNOTATION
 from kai_isolator.shared.errors import ConfigError
 from kai_isolator.shared.events import Reason
 from kai_isolator.shared.grant import GPU_MEMORY_NODE_LABEL, DeviceGrant, Grant, GrantSource, annotation_limit_bytes
@@ -16,7 +16,6 @@ from kai_isolator.shared.limits import parse_limit
 
 Obj = dict[str, Any]
 DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
-KAI_CONFIGMAP_ANNOTATION = "runai/shared-gpu-configmap"  # KAI's admission names every GPU-sharing pod's ConfigMaps here
 CDI_GPU_PREFIX = "k8s.device-plugin.nvidia.com/gpu="
 _DEVICE_ID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9/-]+$")
 
@@ -120,7 +119,9 @@ def decide(pod: Obj, container: Obj, inputs: Inputs) -> Decision:
     else:
         try:
             devices = parse_devices(inputs.devices)
+            _as_many_as_asked(devices, meta.get("annotations") or {})
         except ConfigError as error:
+            devices = ()
             reasons.append(Reason(code="devices-invalid", message=str(error)))
     try:
         label = int(inputs.node_label or "")
@@ -146,6 +147,16 @@ def decide(pod: Obj, container: Obj, inputs: Inputs) -> Decision:
         configmap_limit_bytes=configmap_limit, annotation_limit_bytes=annotation_limit, reason=why,
     )
     return Decision(name, grant, tuple(reasons), configmap_limit, annotation_limit)
+
+
+def _as_many_as_asked(devices: tuple[str, ...], annotations: dict[str, str]) -> None:
+    """KAI gives a pod one GPU per device it asked for; a ConfigMap naming more would grant the limit on each (the
+    ConfigMap is the tenant's to edit, the annotation is fixed once the pod exists)."""
+    asked = annotations.get(NUM_DEVICES_ANNOTATION) or "1"
+    if not asked.isdigit() or int(asked) < 1:
+        raise ConfigError(f"annotation {NUM_DEVICES_ANNOTATION}={asked!r} is not a device count")
+    if len(devices) != int(asked):
+        raise ConfigError(f"{DEVICES_ENV} names {len(devices)} device(s), but the pod asked KAI for {asked} ({NUM_DEVICES_ANNOTATION})")
 
 
 def _not_admitted_by_kai(pod: Obj, name: str) -> Reason:

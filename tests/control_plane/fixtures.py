@@ -21,11 +21,14 @@ import yaml
 from kai_isolator.services.devcluster.build import Binaries, BuildError, ensure_all
 from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.services.devcluster.plane import ControlPlane, ControlPlaneError
+from kai_isolator.shared.embedded_nats import EmbeddedNats
 from support import build_before_tests
+
+from .node import GpuNode
+from .webhook import NAMESPACE, RunningWebhook, run_certs
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "deploy" / "kustomize" / "base"
-NAMESPACE = "kai-resource-isolator"
 _started: list[ControlPlane] = []
 _names = itertools.count()
 _built: list[Binaries | BuildError] = []
@@ -110,3 +113,25 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         times = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in plane.startup_s.items())
         terminalreporter.write_line(f"real control plane (kube-apiserver {plane.binaries.kube_version}, etcd "
                                     f"{plane.binaries.etcd_version}) started in: {times}")
+
+
+@pytest.fixture(scope="session")
+def gpu_node(control_plane: ControlPlane) -> GpuNode:
+    """One simulated T4 (15360 MiB), registered by its own kubelet identity."""
+    return GpuNode(control_plane, "gpu-node-1", 15360)
+
+
+@pytest.fixture(scope="session")
+def certs_output(control_plane: ControlPlane, deployed: list[dict[str, Any]]) -> str:
+    """The certs Job's one-shot, run once under the Job's ServiceAccount and RBAC."""
+    done = run_certs(control_plane, control_plane.service_account_kubeconfig(NAMESPACE, "kai-resource-isolator-certs"))
+    assert done.returncode == 0, done.stderr + done.stdout
+    return done.stdout
+
+
+@pytest.fixture
+def webhook(control_plane: ControlPlane, certs_output: str, nats_server: EmbeddedNats, tmp_path: Path) -> Iterator[RunningWebhook]:
+    """Our webhook as deploy/ runs it, behind the Service deploy/ registers (failurePolicy Fail: stopped, it refuses)."""
+    running = RunningWebhook(control_plane, tmp_path, nats_server.url).start()
+    yield running
+    running.stop()

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane, ControlPlaneError, free_port
-from control_plane.fixtures import NAMESPACE
+
+NAMESPACE = "kai-resource-isolator"  # where deploy/ installs the webhook, its Service and the certs Job
 
 SERVICE = "kai-resource-isolator-webhook"
 SECRET = "kai-resource-isolator-webhook-tls"

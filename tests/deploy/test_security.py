@@ -136,12 +136,15 @@ def test_webhook_configuration_fails_closed_on_a_narrow_match(rendered: dict[str
     assert mwc["metadata"]["name"] == "kai-resource-isolator-mutating"
     assert (hook["failurePolicy"], hook["sideEffects"], hook["timeoutSeconds"], hook["reinvocationPolicy"]) == ("Fail", "None", 5, "IfNeeded")
     (rule,) = hook["rules"]
-    assert (rule["operations"], rule["resources"], rule["apiGroups"]) == (["CREATE"], ["pods"], [""])
+    # UPDATE: the GPU-request annotations the node grants from may not change once the pod exists.
+    assert (rule["operations"], rule["resources"], rule["apiGroups"]) == (["CREATE", "UPDATE"], ["pods"], [""])
     (condition,) = hook["matchConditions"]
     expression = condition["expression"]
     assert re.search(r"'gpu-fraction' in object\.metadata\.annotations", expression)
     assert re.search(r"'gpu-memory' in object\.metadata\.annotations", expression)
-    assert expression.startswith("has(object.metadata.annotations) &&")  # a pod without annotations must not error (=fail)
+    assert re.search(r"'gpu-memory' in oldObject\.metadata\.annotations", expression)  # an update that drops them is seen too
+    # a pod without annotations, and a CREATE (no oldObject), must not error (= fail)
+    assert expression.startswith("(has(object.metadata.annotations) &&") and "oldObject != null && has(oldObject.metadata.annotations) &&" in expression
     selector = {e["key"]: e for e in hook["namespaceSelector"]["matchExpressions"]}
     assert selector["kai-resource-isolator.io/webhook"] == {"key": "kai-resource-isolator.io/webhook", "operator": "NotIn", "values": ["ignore"]}
     own = hook["clientConfig"]["service"]["namespace"]

@@ -11,18 +11,11 @@ import pytest
 
 from kai_isolator.services.devcluster.plane import ControlPlane
 from control_plane.fixtures import NAMESPACE
-from control_plane.node import GpuNode
 from kai_isolator.services.watcher.command import running
 from kai_isolator.services.watcher.service import PodWatcher
 from kai_isolator.services.watcher.settings import WatcherSettings
 from kai_isolator.shared.settings import BusSettings
 from pod_events import PodEvents, pod_events  # noqa: F401  (the fixture, shared with other suites)
-
-
-@pytest.fixture(scope="session")
-def gpu_node(control_plane: ControlPlane) -> GpuNode:
-    """One simulated T4 (15360 MiB), registered by its own kubelet identity."""
-    return GpuNode(control_plane, "gpu-node-1", 15360)
 
 
 @pytest.fixture

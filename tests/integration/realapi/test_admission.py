@@ -8,8 +8,6 @@ import http.server
 import json
 import ssl
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +18,6 @@ from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane, f
 from control_plane.fixtures import NAMESPACE, make_namespace
 from control_plane.node import kai_admit
 from control_plane.webhook import SECRET, RunningWebhook, run_certs
-from kai_isolator.shared.embedded_nats import EmbeddedNats
 
 SEED_POD = """\
 apiVersion: v1
@@ -37,21 +34,6 @@ spec:
       command: ["sleep", "infinity"]
 """
 LIBRARY_VOLUME = "kai-resource-isolator-vgpu"
-
-
-@pytest.fixture(scope="module")
-def certs_output(control_plane: ControlPlane, deployed: list[dict[str, Any]]) -> str:
-    """The certs Job's one-shot, run once under the Job's ServiceAccount and RBAC."""
-    done = run_certs(control_plane, control_plane.service_account_kubeconfig(NAMESPACE, "kai-resource-isolator-certs"))
-    assert done.returncode == 0, done.stderr + done.stdout
-    return done.stdout
-
-
-@pytest.fixture
-def webhook(control_plane: ControlPlane, certs_output: str, nats_server: EmbeddedNats, tmp_path: Path) -> Iterator[RunningWebhook]:
-    running = RunningWebhook(control_plane, tmp_path, nats_server.url).start()
-    yield running
-    running.stop()
 
 
 def _create(plane: ControlPlane, namespace: str, manifest: str) -> dict[str, Any]:

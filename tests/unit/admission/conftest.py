@@ -34,12 +34,12 @@ def make_pod(annotations: dict[str, str] | None = None, containers: list[str] | 
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
 
 
-def review_of(pod: Any, *, uid: str = "uid-1", operation: str = "CREATE", kind: str = "Pod") -> bytes:
-    return orjson.dumps({
-        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-        "request": {"uid": uid, "kind": {"group": "", "version": "v1", "kind": kind}, "operation": operation,
-                    "namespace": "test-ns", "object": pod},
-    })
+def review_of(pod: Any, *, uid: str = "uid-1", operation: str = "CREATE", kind: str = "Pod", old: Any = None) -> bytes:
+    """A review as the API server sends it; an UPDATE carries the pod before it (`old`, else `pod` itself)."""
+    request = {"uid": uid, "kind": {"group": "", "version": "v1", "kind": kind}, "operation": operation, "namespace": "test-ns", "object": pod}
+    if operation == "UPDATE":
+        request["oldObject"] = pod if old is None else old
+    return orjson.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request})
 
 
 def response_of(answer: Answer) -> dict[str, Any]:

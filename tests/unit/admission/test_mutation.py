@@ -212,11 +212,44 @@ def test_opt_out_is_ignored_with_a_warning_when_forbidden(kit: SimpleNamespace) 
     assert any("opt-out is disabled" in w for w in response["warnings"])
 
 
-@pytest.mark.parametrize("operation", ["UPDATE", "DELETE", "CONNECT"])
+@pytest.mark.parametrize("operation", ["DELETE", "CONNECT"])
 def test_only_create_is_mutated(kit: SimpleNamespace, webhook: Webhook, operation: str) -> None:
     answer = webhook.handle(kit.review_of(kit.make_pod(FRACTION), operation=operation))
     assert kit.response_of(answer) == {"uid": "uid-1", "allowed": True}
     assert operation in answer.record.reason
+
+
+def test_an_update_that_keeps_the_gpu_request_is_allowed_unpatched_and_unpublished(kit: SimpleNamespace, webhook: Webhook) -> None:
+    old = kit.make_pod(FRACTION)
+    new = {**old, "metadata": {**old["metadata"], "labels": {"runai-gpu-group": "g-1"}}}
+    answer = webhook.handle(kit.review_of(new, operation="UPDATE", old=old))
+    assert kit.response_of(answer) == {"uid": "uid-1", "allowed": True}
+    assert answer.record.decision == "skipped" and not answer.record.published
+
+
+@pytest.mark.parametrize("mode", ["warn", "enforce"])
+@pytest.mark.parametrize(("before", "after"), [
+    ({"gpu-memory": "4096"}, {"gpu-memory": "15000"}),
+    ({"gpu-fraction": "0.25"}, {"gpu-fraction": "0.25", "gpu-fraction-num-devices": "2"}),
+    ({"gpu-fraction": "0.25", "runai/shared-gpu-configmap": "train-shared-gpu"}, {"gpu-fraction": "0.25", "runai/shared-gpu-configmap": "mine"}),
+    ({"gpu-memory": "4096"}, {}),  # dropped: the pod would leave the webhook's match (and the grant its basis)
+    ({}, {"gpu-memory": "4096"}),  # added to a pod created without: KAI would place a share the webhook never injected
+])
+def test_an_update_that_changes_the_gpu_request_is_refused_in_every_mode(kit: SimpleNamespace, mode: str, before: dict[str, str],
+                                                                          after: dict[str, str]) -> None:
+    webhook = Webhook(InjectionConfig(), mode)  # type: ignore[arg-type]
+    answer = webhook.handle(kit.review_of(kit.make_pod(after), operation="UPDATE", old=kit.make_pod(before)))
+    response = kit.response_of(answer)
+    assert response["allowed"] is False and response["status"]["code"] == 422
+    assert "cannot change once it exists" in response["status"]["message"]
+    assert answer.record.decision == "denied" and not answer.record.published
+
+
+def test_an_update_without_the_pod_before_it_is_refused_clearly(kit: SimpleNamespace, webhook: Webhook) -> None:
+    review = orjson.loads(kit.review_of(kit.make_pod(FRACTION), operation="UPDATE"))
+    del review["request"]["oldObject"]
+    response = kit.response_of(webhook.handle(orjson.dumps(review)))
+    assert response["allowed"] is False and "oldObject" in response["status"]["message"]
 
 
 def test_other_kinds_are_allowed_untouched(kit: SimpleNamespace, webhook: Webhook) -> None:

@@ -65,9 +65,17 @@ def test_fraction_pods_cross_check_on_the_raw_label() -> None:
 
 
 def test_every_listed_device_gets_the_limit_cdi_form_included() -> None:
-    decision = computed(devices=f" k8s.device-plugin.nvidia.com/gpu={UUID0}, {UUID1} ")
+    decision = computed(devices=f" k8s.device-plugin.nvidia.com/gpu={UUID0}, {UUID1} ", **{"gpu-fraction-num-devices": "2"})
     assert decision.grant is not None and [d.uuid for d in decision.grant.devices] == [UUID0, UUID1]
     assert {d.limit_bytes for d in decision.grant.devices} == {4147 * MIB}
+
+
+@pytest.mark.parametrize(("devices", "asked"), [(f"{UUID0},{UUID1}", None), (f"{UUID0},{UUID1}", "1"), (UUID0, "2"), (UUID0, "two"), (UUID0, "0")])
+def test_a_configmap_naming_other_than_the_devices_asked_for_gets_no_grant(devices: str, asked: str | None) -> None:
+    # The tenant edits its ConfigMap to name both GPUs of the node: the limit would hold on each.
+    decision = computed(devices=devices, **({"gpu-fraction-num-devices": asked} if asked else {}))
+    assert decision.grant is None and [r.code for r in decision.reasons] == ["devices-invalid"], decision
+    assert "gpu-fraction-num-devices" in decision.reasons[0].message
 
 
 @pytest.mark.parametrize(("inputs", "code"), [
