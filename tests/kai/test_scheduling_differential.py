@@ -17,6 +17,7 @@ from kai_isolator.services.devcluster.kai import (
     gpu_portion, node_gpu_memory_mib, num_devices,
 )
 from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane
+from kai_isolator.services.nodeagent.grant_decision import Inputs, decide, target_container
 from kai.conftest import NODES, T4_NODE, TWO_GPU_NODE
 from kai.real_kai import TENANT, RealKaiScheduling
 
@@ -105,6 +106,12 @@ def test_the_binder_writes_what_the_simulation_writes(kai_plane: ControlPlane, k
         assert real == simulated_configmaps(pod, devices)
         capabilities = real[0]["data"]
         assert (capabilities["GPU_PORTION"], capabilities.get("CUDA_DEVICE_MEMORY_LIMIT")) == WRITTEN[case]
+        # What our node agent grants from what the real binder wrote (the target's env refers to this ConfigMap): the
+        # limit on every device KAI chose, or nothing where KAI wrote no limit.
+        inputs = Inputs(capabilities.get("CUDA_DEVICE_MEMORY_LIMIT"), capabilities.get(DEVICES_ENV), NODES[pod["spec"]["nodeName"]].get(GPU_MEMORY_LABEL))
+        grant = decide(pod, target_container(pod) or {}, inputs).grant
+        limit = WRITTEN[case][1]
+        assert (grant and [(d.uuid, d.limit_bytes) for d in grant.devices]) == (limit and [(d, int(limit[:-1]) << 20) for d in devices]), grant
         assert pod["metadata"]["annotations"][RECEIVED_TYPE_ANNOTATION] == "Fraction"
         if num_devices(body["metadata"]["annotations"]) == 1:  # several devices are several groups, labelled otherwise
             uuid.UUID(pod["metadata"]["labels"][GPU_GROUP_LABEL])  # a GPU group is named by a UUID, as the simulation's are
