@@ -14,8 +14,9 @@ def test_non_cuda_program_is_unaffected() -> None:
     plain = run_program([str(TESTS_DIR / "noncuda")], preload=False)
     preloaded = run_program([str(TESTS_DIR / "noncuda")], NOISY_ENV)
     assert plain.returncode == preloaded.returncode == 0
+    # The same signal handlers as without the library (not "none": a runner under nohup hands SIGHUP down ignored).
     assert preloaded.stdout == plain.stdout
-    assert "handlers=0" in preloaded.stdout and "puts=1" in preloaded.stdout and "missing=1" in preloaded.stdout
+    assert "puts=1" in preloaded.stdout and "missing=1" in preloaded.stdout
     assert preloaded.stderr == ""
 
 
