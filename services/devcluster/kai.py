@@ -27,6 +27,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from kai_isolator.shared.contract import KAI_CONFIGMAP_ANNOTATION, NUM_DEVICES_ANNOTATION
 from kai_isolator.shared.pki import CertificateAuthority
 
 from .api import AsyncApi
@@ -39,9 +40,8 @@ GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
 GPU_COUNT_LABEL = "nvidia.com/gpu.count"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 SIMULATED_LABEL = "devcluster.kai-isolator.io/simulated"
-CONFIGMAP_ANNOTATION = "runai/shared-gpu-configmap"
+CONFIGMAP_ANNOTATION = KAI_CONFIGMAP_ANNOTATION
 FRACTION_CONTAINER_ANNOTATION = "gpu-fraction-container-name"
-NUM_DEVICES_ANNOTATION = "gpu-fraction-num-devices"
 RECEIVED_TYPE_ANNOTATION = "received-resource-type"
 GPU_GROUP_LABEL = "runai-gpu-group"
 LIMIT_ENV = "CUDA_DEVICE_MEMORY_LIMIT"
