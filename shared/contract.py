@@ -15,6 +15,12 @@ KAI_CONFIGMAP_ANNOTATION = "runai/shared-gpu-configmap"
 GPU_REQUEST_ANNOTATIONS = (GPU_FRACTION_ANNOTATION, GPU_MEMORY_ANNOTATION, NUM_DEVICES_ANNOTATION, FRACTION_CONTAINER_ANNOTATION,
                            KAI_CONFIGMAP_ANNOTATION)
 INJECT_ANNOTATION = "kai-resource-isolator.io/inject"
+# KAI's binder reserves each shared GPU with a pod of its own in its reservation namespace, labelled with the GPU
+# group; the pod's program writes the GPU's UUID on it. The sharing pods of that GPU carry the group as a label
+# (`runai-gpu-group`, or one `runai-gpu-group/<group>` per device when they asked for several).
+GPU_GROUP_LABEL = "runai-gpu-group"
+RESERVATION_NAMESPACE = "kai-resource-reservation"
+RESERVED_GPU_ANNOTATION = "run.ai/reserve_for_gpu_index"
 
 # What the webhook injects.
 VGPU_VOLUME = "kai-resource-isolator-vgpu"
@@ -43,3 +49,8 @@ CONTAINER_VGPU_MOUNT_ENV = "CONTAINER_VGPU_MOUNT"
 
 def is_gpu_sharing(annotations: dict[str, str]) -> bool:
     return GPU_FRACTION_ANNOTATION in annotations or GPU_MEMORY_ANNOTATION in annotations
+
+
+def gpu_groups(labels: dict[str, str]) -> frozenset[str]:
+    """The GPU groups a pod's labels name, as KAI's binder writes them."""
+    return frozenset(value for key, value in labels.items() if key == GPU_GROUP_LABEL or key.startswith(GPU_GROUP_LABEL + "/"))

@@ -10,8 +10,8 @@ from typing import Any
 
 from kai_isolator.shared.contract import (
     CONTAINER_NAME_ENV, CONTAINER_VGPU_MOUNT_ENV, FRACTION_CONTAINER_ANNOTATION as CONTAINER_NAME_ANNOTATION,
-    GPU_FRACTION_ANNOTATION, GPU_MEMORY_ANNOTATION, GPU_REQUEST_ANNOTATIONS, GRANT_VOLUME, INJECT_ANNOTATION, LIMIT_ENV, POD_UID_ENV,
-    SHARED_CACHE_ENV, STATE_VOLUME, VGPU_VOLUME,
+    GPU_FRACTION_ANNOTATION, GPU_GROUP_LABEL, GPU_MEMORY_ANNOTATION, GPU_REQUEST_ANNOTATIONS, GRANT_VOLUME, INJECT_ANNOTATION, LIMIT_ENV,
+    POD_UID_ENV, SHARED_CACHE_ENV, STATE_VOLUME, VGPU_VOLUME,
 )
 from kai_isolator.shared.errors import IsolatorError
 
@@ -100,6 +100,26 @@ def is_gpu_sharing(annotations: dict[str, str]) -> bool:
 def changed_gpu_requests(old: dict[str, str], new: dict[str, str]) -> list[str]:
     """Each GPU-request annotation an update adds, removes or changes, as `key: 'old' -> 'new'` (None for absent)."""
     return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in GPU_REQUEST_ANNOTATIONS if old.get(key) != new.get(key)]
+
+
+def changed_gpu_groups(old: Any, new: Any) -> list[str]:
+    """Each GPU-group label an update of a bound pod adds, removes or changes, as `key: 'old' -> 'new'`. KAI's binder
+    labels the pod before it binds it, and takes the labels off only when that bind fails; once bound, the node grants
+    the GPUs KAI reserved for exactly these groups."""
+    spec = old.get("spec") if isinstance(old, dict) else None
+    if not isinstance(spec, dict) or not spec.get("nodeName"):
+        return []
+    before, after = _gpu_group_labels(old), _gpu_group_labels(new)
+    return [f"label {key}: {before.get(key)!r} -> {after.get(key)!r}" for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)]
+
+
+def _gpu_group_labels(pod: Any) -> dict[str, str]:
+    labels = (pod.get("metadata") or {}).get("labels") if isinstance(pod, dict) else None
+    if labels is None:
+        return {}
+    if not isinstance(labels, dict) or not set(map(type, labels.values())) <= {str}:
+        raise PodUnreadable("metadata.labels must map strings to strings")
+    return {k: v for k, v in labels.items() if k == GPU_GROUP_LABEL or k.startswith(GPU_GROUP_LABEL + "/")}
 
 
 def asks_opt_out(annotations: dict[str, str]) -> bool:

@@ -14,8 +14,8 @@ from .answer import JSON, TEXT, Answer, DecisionRecord, allowed, bad_request, de
 from .injection import Desired, InjectionConfig, Shapes
 from .mutation import CleanPatches, carries_nothing_of_ours, plan_ops, readiness_gate_ops
 from .pod import (
-    INJECT_ANNOTATION, NoTargetContainer, PodUnreadable, PodView, Target, annotations_of, asks_opt_out, changed_gpu_requests, find_target,
-    is_gpu_sharing, read_pod,
+    INJECT_ANNOTATION, NoTargetContainer, PodUnreadable, PodView, Target, annotations_of, asks_opt_out, changed_gpu_groups,
+    changed_gpu_requests, find_target, is_gpu_sharing, read_pod,
 )
 from .policy import findings, judge
 from .replay import Replays
@@ -108,20 +108,28 @@ class Webhook:
         return _answer(request, body, decision, reason, target.name, found, operations)
 
     def _judge_update(self, request: AdmissionRequest) -> Answer:
-        """An update may change anything of a pod but what KAI booked its GPU share from and named its ConfigMaps by:
-        the node computes the grant from those, so a tenant that edited them after scheduling would grant itself more
-        than was booked. Refused under every policy mode, as the API server refuses a change to an immutable field."""
+        """An update may change anything of a pod but what KAI booked its GPU share from and named its ConfigMaps by,
+        and, once the pod is bound, the GPU groups KAI placed it in: the node computes the grant from those, so a tenant
+        that edited them after scheduling would grant itself more than was booked, or another GPU than KAI reserved.
+        Refused under every policy mode, as the API server refuses a change to an immutable field."""
         try:
             if request.old_object is None:
                 raise PodUnreadable("an UPDATE review must carry request.oldObject, the pod before the update")
             changed = changed_gpu_requests(annotations_of(request.old_object), annotations_of(request.object))
+            regrouped = changed_gpu_groups(request.old_object, request.object)
         except PodUnreadable as error:
             answer = _deny(request, 400, f"cannot read pod: {error}")
         else:
-            message = (f"kai-resource-isolator: the GPU-sharing annotations of a pod cannot change once it exists "
-                       f"({'; '.join(changed)}): KAI-Scheduler booked the GPU share from them and the node grants from "
-                       "them; delete the pod and create it again")
-            answer = _deny(request, 422, message) if changed else _allow(request, "the update keeps the GPU request")
+            if changed:
+                answer = _deny(request, 422, f"kai-resource-isolator: the GPU-sharing annotations of a pod cannot change once it exists "
+                                             f"({'; '.join(changed)}): KAI-Scheduler booked the GPU share from them and the node grants "
+                                             "from them; delete the pod and create it again")
+            elif regrouped:
+                answer = _deny(request, 422, f"kai-resource-isolator: the GPU-group labels of a bound pod cannot change "
+                                             f"({'; '.join(regrouped)}): KAI-Scheduler reserved its GPUs for those groups and the node "
+                                             "grants those GPUs; delete the pod and create it again")
+            else:
+                answer = _allow(request, "the update keeps the GPU request")
         return _unpublished(answer)
 
     def _patch(self, view: PodView, target: Target, desired: Desired) -> tuple[bytes | None, int]:

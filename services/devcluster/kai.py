@@ -13,6 +13,7 @@ import asyncio
 import base64
 import contextlib
 import copy
+import hashlib
 import logging
 import math
 import re
@@ -27,7 +28,9 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kai_isolator.shared.contract import KAI_CONFIGMAP_ANNOTATION, NUM_DEVICES_ANNOTATION
+from kai_isolator.shared.contract import (
+    GPU_GROUP_LABEL, KAI_CONFIGMAP_ANNOTATION, NUM_DEVICES_ANNOTATION, RESERVATION_NAMESPACE, RESERVED_GPU_ANNOTATION,
+)
 from kai_isolator.shared.pki import CertificateAuthority
 
 from .api import AsyncApi
@@ -43,7 +46,6 @@ SIMULATED_LABEL = "devcluster.kai-isolator.io/simulated"
 CONFIGMAP_ANNOTATION = KAI_CONFIGMAP_ANNOTATION
 FRACTION_CONTAINER_ANNOTATION = "gpu-fraction-container-name"
 RECEIVED_TYPE_ANNOTATION = "received-resource-type"
-GPU_GROUP_LABEL = "runai-gpu-group"
 LIMIT_ENV = "CUDA_DEVICE_MEMORY_LIMIT"
 DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 PORTION_ENV = "GPU_PORTION"
@@ -89,6 +91,10 @@ class KaiOptions:
     # The simulation's own switch, not KAI's: False places every share on the node's first GPU(s) however full, for
     # tests that run dozens of pods on one simulated node and test something else than KAI's capacity.
     book_capacity: bool = True
+    # What the reservation pods run. KAI's runs its resourcereservation program, which asks NVML for its GPU; the
+    # simulation writes the GPU's UUID on the pod itself, so any program that stays up will do (KAI's --fake-gpu-nodes
+    # mode runs `sleep infinity` likewise).
+    reservation_image: str = "registry/local/kai-scheduler/resourcereservation:0.0.0"
 
 
 SEED = KaiOptions()
@@ -300,6 +306,26 @@ def gpu_group(node: str, index: int) -> str:
 # --- the binder ------------------------------------------------------------------------------------
 
 
+def gpu_group_labels(node: str, gpus: list[int]) -> dict[str, str]:
+    """The GPU-group labels KAI's binder puts on a sharing pod: one label, or one per device for several."""
+    if len(gpus) == 1:
+        return {GPU_GROUP_LABEL: gpu_group(node, gpus[0])}
+    return {f"{GPU_GROUP_LABEL}/{gpu_group(node, i)}": gpu_group(node, i) for i in gpus}
+
+
+def reservation_pod(node: str, gpu: int, options: KaiOptions = SEED) -> Obj:
+    """KAI's reservation pod for GPU `gpu` of `node`, as it is once its program has written the GPU's UUID on it. It asks
+    for no `nvidia.com/gpu`, unlike KAI's: on a real node the simulated reservation would take the device plugin's GPU
+    from the tests' whole-GPU pods. Named by a hash of node and group, as KAI names its own."""
+    group = gpu_group(node, gpu)
+    name = "gpu-reservation-" + hashlib.sha256(f"{node}/{group}".encode()).hexdigest()[:16]
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": RESERVATION_NAMESPACE,
+                         "labels": {"app": RESERVATION_NAMESPACE, GPU_GROUP_LABEL: group},
+                         "annotations": {RESERVED_GPU_ANNOTATION: fake_gpu_uuid(gpu)}},
+            "spec": {"nodeName": node, "containers": [{"name": "resource-reservation", "image": options.reservation_image}]}}
+
+
 def binder_configmaps(pod: Obj, node_labels: dict[str, str], portion: str, devices: list[str],
                       options: KaiOptions = SEED) -> list[Obj]:
     """The ConfigMaps KAI's binder leaves at PreBind: `<prefix>-<index>` with devices and portion (and, hamicore, the
@@ -350,6 +376,25 @@ async def _upsert(api: AsyncApi, namespace: str, body: Obj) -> None:
     await api.request("POST", path, body)
 
 
+# What KAI's chart makes for its reservation pods, before any: their namespace and ServiceAccount (the pods name the
+# namespace's `default` one here, which no controller-manager makes on the local control plane).
+RESERVATION_SETUP = (("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": RESERVATION_NAMESPACE}}),
+                     (f"/api/v1/namespaces/{RESERVATION_NAMESPACE}/serviceaccounts",
+                      {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}}))
+
+
+async def reserve(api: AsyncApi, pod: Obj) -> None:
+    """The GPU group's reservation pod, made once (in a namespace made once), kept while the simulation runs."""
+    for path, body in RESERVATION_SETUP:
+        with contextlib.suppress(ApiCallError):  # 409: made before
+            await api.request("POST", path, body)
+    try:
+        await api.request("POST", f"/api/v1/namespaces/{RESERVATION_NAMESPACE}/pods", pod)
+    except ApiCallError as error:
+        if error.code != 409:
+            raise
+
+
 async def kai_bind(api: AsyncApi, pod: Obj, node: str, gpu_memory_mib: int | None = None, *, node_labels: dict[str, str] | None = None,
                    gpus: list[int] | None = None, options: KaiOptions = SEED) -> None:
     """KAI's binder: GPU-group labels and the received type on the pod, PreBind's ConfigMaps, then the binding.
@@ -361,8 +406,9 @@ async def kai_bind(api: AsyncApi, pod: Obj, node: str, gpu_memory_mib: int | Non
         portion = gpu_portion(annotations, node_gpu_memory_mib(labels.get(GPU_MEMORY_LABEL), options))
         chosen = gpus if gpus is not None else list(range(num_devices(annotations)))
         configmaps = binder_configmaps(pod, labels, portion, [fake_gpu_uuid(i) for i in chosen], options)
-        groups = {GPU_GROUP_LABEL: gpu_group(node, chosen[0])} if len(chosen) == 1 else {
-            f"{GPU_GROUP_LABEL}/{gpu_group(node, i)}": gpu_group(node, i) for i in chosen}
+        for gpu in chosen:
+            await reserve(api, reservation_pod(node, gpu, options))
+        groups = gpu_group_labels(node, chosen)
         path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
         await api.request("PATCH", path, {"metadata": {"labels": groups, "annotations": {RECEIVED_TYPE_ANNOTATION: "Fraction"}}},
                           content_type="application/merge-patch+json")

@@ -7,6 +7,7 @@ cluster looks to Kubernetes (see fakegpu.py). KAI-Scheduler stays simulated thro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -23,7 +24,7 @@ from .build import BuildError, NodeBinaries, cache_root, ensure_node
 from .cluster import DevCluster
 from .fakegpu import FakeGpu
 from .plane import ControlPlaneError
-from .realnode import NodeAddresses, NodeError, RealNode
+from .realnode import PAUSE_IMAGE, NodeAddresses, NodeError, RealNode
 
 NODE_NAME = "gpu-node-1"
 GPU_MEMORY_MIB = 15360
@@ -95,6 +96,8 @@ class RealNodeCluster:
         assert self.cluster.scheduler is not None
         self.cluster.scheduler.only_kai_pods = True
         self.cluster.scheduler.nodes[NODE_NAME] = GPU_MEMORY_MIB
+        # The simulated reservation pods run for real here: the node's sandbox program keeps them up.
+        self.cluster.scheduler.options = dataclasses.replace(self.cluster.scheduler.options, reservation_image=PAUSE_IMAGE)
 
     def _start_controllers(self, binaries: NodeBinaries) -> None:
         assert self.cluster is not None and self.cluster.plane is not None

@@ -111,7 +111,8 @@ class NodeAgent:
             log.warning("no Kubernetes API (no --kubeconfig, not in a cluster): no grants are written, no container is enforced",
                         extra={"node": self.node})
         else:
-            self.grants = grants.GrantKeeper(api, self.node, self.grant_root, self.runtime.publish, on_withheld=self._post_withheld)
+            self.grants = grants.GrantKeeper(api, self.node, self.grant_root, self.runtime.publish, on_withheld=self._post_withheld,
+                                             reservation_namespace=self.settings.reservation_namespace)
             self._loops.append(asyncio.create_task(self.grants.run(), name="grants"))
         if self.enforcer is not None:
             self._loops.append(asyncio.create_task(self._enforce(), name="enforcer"))

@@ -32,6 +32,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--usage-interval-s", type=float, help="usage scan period (default 15)")
     parser.add_argument("--grant-dir", help="host directory of per-container grants, under --host-root (default /var/lib/kai-isolator/grants)")
     parser.add_argument("--kubeconfig", type=Path, help="kubeconfig for reading this node's pods, their ConfigMaps and the node (default: in-cluster)")
+    parser.add_argument("--reservation-namespace",
+                        help="KAI's namespace for its GPU reservation pods, its binder's --resource-reservation-namespace (default kai-resource-reservation)")
     parser.add_argument("--enforce", action=argparse.BooleanOptionalAction, default=None,
                         help="hold containers to their grants from the driver's view (default on; --no-enforce turns it off)")
     parser.add_argument("--enforce-interval", dest="enforce_interval_s", type=parse_duration,

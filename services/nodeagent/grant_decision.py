@@ -1,14 +1,19 @@
 """Computing one container's grant from what KAI left on the pod (its ConfigMap's limit and devices, the pod's
-annotation, the node's card size): the smaller of the two limits, never raised once written, and the reasons
-when inputs disagree or are missing. Pure: no API, no files."""
+annotation, the node's card size, the GPUs KAI's reservation pods hold): the smaller of the two limits, on the
+devices KAI reserved, never raised once written, and the reasons when inputs disagree or are missing. Pure: no API,
+no files."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from kai_isolator.shared.contract import FRACTION_CONTAINER_ANNOTATION, KAI_CONFIGMAP_ANNOTATION, LIMIT_ENV, NUM_DEVICES_ANNOTATION
+from kai_isolator.shared.contract import (
+    FRACTION_CONTAINER_ANNOTATION, GPU_GROUP_LABEL, KAI_CONFIGMAP_ANNOTATION, LIMIT_ENV, NUM_DEVICES_ANNOTATION, RESERVED_GPU_ANNOTATION,
+    gpu_groups,
+)
 from kai_isolator.shared.errors import ConfigError
 from kai_isolator.shared.events import Reason
 from kai_isolator.shared.grant import GPU_MEMORY_NODE_LABEL, DeviceGrant, Grant, GrantSource, annotation_limit_bytes
@@ -31,12 +36,14 @@ class EnvRef:
 
 @dataclass(frozen=True)
 class Inputs:
-    """What one computation read: the env values as the container will see them, and the node's card size."""
+    """What one computation read: the env values as the container will see them, the node's card size, and the GPU
+    each of KAI's reservation pods on the node holds (GPU group -> the UUIDs its reservation pods wrote)."""
 
     limit: str | None
     devices: str | None
     node_label: str | None
     missing_configmaps: tuple[str, ...] = ()
+    reserved: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,24 @@ def env_ref(container: Obj, name: str) -> EnvRef | None:
     return found
 
 
+def reservation(pod: Obj, node: str) -> tuple[str, str] | None:
+    """(GPU group, GPU UUID) that a reservation pod of KAI's on `node` holds, once its program has written the UUID."""
+    meta = pod.get("metadata") or {}
+    group = (meta.get("labels") or {}).get(GPU_GROUP_LABEL)
+    device = (meta.get("annotations") or {}).get(RESERVED_GPU_ANNOTATION)
+    if not group or not device or (pod.get("spec") or {}).get("nodeName") != node or meta.get("deletionTimestamp"):
+        return None
+    return str(group), str(device)
+
+
+def held_by_group(reservations: Iterable[tuple[str, str]]) -> dict[str, frozenset[str]]:
+    """GPU group -> the GPUs reserved for it (one, unless KAI is mid-change)."""
+    held: dict[str, set[str]] = {}
+    for group, device in reservations:
+        held.setdefault(group, set()).add(device)
+    return {group: frozenset(devices) for group, devices in held.items()}
+
+
 def parse_devices(value: str) -> tuple[str, ...]:
     """GPU UUIDs from NVIDIA_VISIBLE_DEVICES as KAI writes it: comma-separated, possibly in CDI form."""
     ids = [token.strip().removeprefix(CDI_GPU_PREFIX) for token in value.split(",") if token.strip()]
@@ -102,6 +127,7 @@ def decide(pod: Obj, container: Obj, inputs: Inputs) -> Decision:
         return Decision(name, None, (Reason(code="configmap-missing", message=f"ConfigMap {which} not found (yet)"),), retry=True)
     configmap_limit = annotation_limit = None
     devices: tuple[str, ...] = ()
+    retry = False
     if inputs.limit is None and inputs.devices is None and KAI_CONFIGMAP_ANNOTATION not in (meta.get("annotations") or {}):
         return Decision(name, None, (_not_admitted_by_kai(pod, name),))
     if inputs.limit is None:
@@ -123,6 +149,12 @@ def decide(pod: Obj, container: Obj, inputs: Inputs) -> Decision:
         except ConfigError as error:
             devices = ()
             reasons.append(Reason(code="devices-invalid", message=str(error)))
+        else:
+            unreserved = _reserved_by_kai(devices, meta.get("labels") or {}, inputs.reserved)
+            if unreserved is not None:
+                devices = ()
+                reasons.append(unreserved)
+                retry = unreserved.code == "devices-unreserved"  # KAI's reservation may not have been seen yet
     try:
         label = int(inputs.node_label or "")
     except ValueError:
@@ -133,7 +165,7 @@ def decide(pod: Obj, container: Obj, inputs: Inputs) -> Decision:
         except ConfigError as error:
             reasons.append(Reason(code="annotation-invalid", message=str(error)))
     if configmap_limit is None or annotation_limit is None or not devices:
-        return Decision(name, None, tuple(reasons), configmap_limit, annotation_limit)
+        return Decision(name, None, tuple(reasons), configmap_limit, annotation_limit, retry=retry)
     source = GrantSource.CONFIGMAP if configmap_limit <= annotation_limit else GrantSource.ANNOTATION
     limit = min(configmap_limit, annotation_limit)
     why = ""
@@ -157,6 +189,24 @@ def _as_many_as_asked(devices: tuple[str, ...], annotations: dict[str, str]) -> 
         raise ConfigError(f"annotation {NUM_DEVICES_ANNOTATION}={asked!r} is not a device count")
     if len(devices) != int(asked):
         raise ConfigError(f"{DEVICES_ENV} names {len(devices)} device(s), but the pod asked KAI for {asked} ({NUM_DEVICES_ANNOTATION})")
+
+
+def _reserved_by_kai(devices: tuple[str, ...], labels: Mapping[str, str], reserved: Mapping[str, frozenset[str]]) -> Reason | None:
+    """Each device is the GPU KAI reserved for one of the pod's GPU groups on this node. The ConfigMap that names the
+    devices is the tenant's to edit; the reservation pods live in KAI's namespace, where the tenant writes nothing."""
+    groups = gpu_groups(dict(labels))
+    if not groups:
+        return Reason(code="devices-unreserved", message=f"the pod has no {GPU_GROUP_LABEL} label: KAI's binder has not given it a GPU (yet)")
+    missing = sorted(g for g in groups if len(reserved.get(g, ())) != 1)
+    if missing:
+        return Reason(code="devices-unreserved", message=(
+            f"no single GPU is reserved by KAI on this node for GPU group {', '.join(missing)} (no reservation pod, or it has not "
+            "written its GPU's UUID yet)"))
+    held = sorted(device for g in groups for device in reserved[g])
+    if held != sorted(devices):
+        return Reason(code="devices-not-reserved", message=(
+            f"{DEVICES_ENV} names {', '.join(devices)}, but KAI reserved {', '.join(held)} for the pod's GPU group(s) on this node"))
+    return None
 
 
 def _not_admitted_by_kai(pod: Obj, name: str) -> Reason:

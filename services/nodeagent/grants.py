@@ -1,5 +1,6 @@
 """Per-container grants for every GPU-sharing pod bound to this node: the pods watched from the API, each grant
-computed (grant_decision.py) and written (grant_files.py), and every decision published.
+computed (grant_decision.py) and written (grant_files.py), and every decision published. The same watch brings KAI's
+reservation pods on this node, which say which GPU each GPU group holds.
 
 The tenant can edit the ConfigMap in its namespace, so the grant takes the smaller of the two values and
 says why; a grant once written is never raised. Missing or invalid inputs mean no grant (libvgpu.so then
@@ -26,12 +27,16 @@ from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config import ConfigException
 
-from kai_isolator.shared.contract import FRACTION_CONTAINER_ANNOTATION, LIMIT_ENV, is_gpu_sharing
+from kai_isolator.shared.contract import (
+    FRACTION_CONTAINER_ANNOTATION, LIMIT_ENV, RESERVATION_NAMESPACE, is_gpu_sharing,
+)
 from kai_isolator.shared.errors import ConfigError
 from kai_isolator.shared.events import GrantDecision, PodRef, Reason
 from kai_isolator.shared.grant import GPU_MEMORY_NODE_LABEL, Grant
 
-from .grant_decision import DEVICES_ENV, Decision, EnvRef, Inputs, Obj, decide, env_ref, never_raised, target_container
+from .grant_decision import (
+    DEVICES_ENV, Decision, EnvRef, Inputs, Obj, decide, env_ref, held_by_group, never_raised, reservation, target_container,
+)
 from .grant_files import collect_stale, read_grant, remove_grants, write_grant
 
 log = logging.getLogger(__name__)
@@ -77,9 +82,11 @@ class GrantKeeper:
 
     def __init__(self, api: client.ApiClient, node: str, root: Path, publish: Publish, *, retry_s: float = 2.0,
                  watch_timeout_s: int = 300, read_timeout_s: float = 90.0, backoff_max_s: float = 10.0, stale_grace_s: float = 60.0,
-                 on_withheld: OnWithheld | None = None) -> None:
+                 on_withheld: OnWithheld | None = None, reservation_namespace: str = RESERVATION_NAMESPACE) -> None:
         self.core = client.CoreV1Api(api)
         self.node = node
+        self.reservation_namespace = reservation_namespace
+        self.reservations: dict[str, tuple[str, str]] = {}  # reservation pod uid -> (GPU group, the UUID it wrote)
         self.root = root
         self.publish = publish
         self.on_withheld = on_withheld
@@ -142,12 +149,15 @@ class GrantKeeper:
         if listing is None:
             raise ApiException(status=404, reason="pods cannot be listed")
         live = set()
-        for pod in listing.get("items") or []:
+        # KAI's reservation pods first: the grants of the sharing pods listed with them depend on what they hold.
+        for pod in sorted(listing.get("items") or [], key=lambda p: not self._is_reservation(p)):
             uid = str((pod.get("metadata") or {}).get("uid") or "")
             live.add(uid)
             await self.on_pod(pod)
         for uid in [u for u in self.pods if u not in live]:
             await self.on_deleted(self.pods[uid].pod)
+        for uid in [u for u in self.reservations if u not in live]:
+            del self.reservations[uid]
         stale = await asyncio.to_thread(collect_stale, self.root, live, self.stale_grace_s)
         if stale:
             log.info("removed grants of pods no longer on this node", extra={"node": self.node, "grants": stale})
@@ -184,10 +194,24 @@ class GrantKeeper:
 
     # --- one pod ----------------------------------------------------------------------
 
+    def _is_reservation(self, pod: Obj) -> bool:
+        return (pod.get("metadata") or {}).get("namespace") == self.reservation_namespace
+
+    def _note_reservation(self, pod: Obj) -> None:
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        held = reservation(pod, self.node)
+        if uid and held is not None:
+            self.reservations[uid] = held
+        else:
+            self.reservations.pop(uid, None)
+
     async def on_pod(self, pod: Obj) -> None:
         meta = pod.get("metadata") or {}
         uid = str(meta.get("uid") or "")
         annotations = meta.get("annotations") or {}
+        if self._is_reservation(pod):
+            self._note_reservation(pod)
+            return
         if not uid or (pod.get("spec") or {}).get("nodeName") != self.node or not isinstance(annotations, dict) or not is_gpu_sharing(annotations):
             return
         async with self._lock:
@@ -253,6 +277,9 @@ class GrantKeeper:
         uid = str((pod.get("metadata") or {}).get("uid") or "")
         if not uid:
             return
+        if self._is_reservation(pod):
+            self.reservations.pop(uid, None)  # a grant already written stays: inputs gone never take one back
+            return
         async with self._lock:
             tracked = self.pods.pop(uid, None)
             self.waiting.discard(uid)
@@ -279,7 +306,7 @@ class GrantKeeper:
                 return ref.literal
             return (maps.get(ref.configmap or "") or {}).get(ref.key)
 
-        return Inputs(value(refs[LIMIT_ENV]), value(refs[DEVICES_ENV]), await self._node_label(), missing)
+        return Inputs(value(refs[LIMIT_ENV]), value(refs[DEVICES_ENV]), await self._node_label(), missing, held_by_group(self.reservations.values()))
 
     async def _configmap(self, namespace: str, name: str) -> dict[str, str] | None:
         found = await self._read(self.core.read_namespaced_config_map(name, namespace, _preload_content=False, _request_timeout=_TIMEOUT))

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from kai_isolator.shared import subjects
-from kai_isolator.shared.contract import DEFAULT_GRANT_DIR
+from kai_isolator.shared.contract import DEFAULT_GRANT_DIR, RESERVATION_NAMESPACE
 from kai_isolator.shared.settings import _Settings
 
 from .enforce import DEFAULT_TOLERANCE_MIB
@@ -35,6 +35,9 @@ class NodeAgentSettings(_Settings):
     self_check_command: list[str] | None = Field(None, description="probe run with LD_PRELOAD=libvgpu.so; default: check /proc/self/maps")
     grant_dir: str = Field(DEFAULT_GRANT_DIR, description="host directory of per-container grants (under --host-root); the webhook mounts it read-only")
     kubeconfig: Path | None = Field(None, description="kubeconfig for reading this node's pods; unset = in-cluster service account")
+    reservation_namespace: str = Field(RESERVATION_NAMESPACE, min_length=1, description="KAI's namespace for its GPU reservation pods "
+                                                                                        "(its binder's --resource-reservation-namespace): a "
+                                                                                        "grant names only GPUs they hold")
     enforce: bool = Field(True, description="hold every GPU-sharing container to its grant from the driver's view (NVML)")
     enforce_interval_s: float = Field(1.0, gt=0, le=60, description="how often the enforcer reads every process's device memory from NVML")
     on_breach: Literal["kill", "evict", "warn"] = Field("kill", description="kill the container's biggest processes until it is under "

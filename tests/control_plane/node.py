@@ -8,18 +8,35 @@ it may write) and reports status through the `status` subresource. KAI's model i
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
-from kai_isolator.services.devcluster.kai import GPU_MEMORY_LABEL, HOSTNAME_LABEL, kai_admit, limit_configmap
+from kai_isolator.services.devcluster.kai import (
+    GPU_MEMORY_LABEL, HOSTNAME_LABEL, RESERVATION_SETUP, gpu_group_labels, kai_admit, limit_configmap, num_devices, reservation_pod,
+)
+from kai_isolator.shared.contract import RESERVATION_NAMESPACE
 from kai_isolator.services.devcluster.kubelet import finished_status, running_status
 from kai_isolator.services.devcluster.plane import ApiCallError, ApiClient, ControlPlane
 
 
 def kai_bind(plane: ControlPlane, pod: dict[str, Any], node: str, gpu_memory_mib: int) -> None:
-    """KAI's binder: PreBind writes CUDA_DEVICE_MEMORY_LIMIT into the pod's ConfigMap, then the pod is bound."""
+    """KAI's binder: the GPU reserved (its reservation pod, the group label on the pod), PreBind writes
+    CUDA_DEVICE_MEMORY_LIMIT into the pod's ConfigMap, then the pod is bound. A share goes on the node's first GPU(s)."""
     meta = pod["metadata"]
     configmap = limit_configmap(pod, gpu_memory_mib)
     if configmap is not None:
+        gpus = list(range(num_devices(meta.get("annotations") or {})))
+        for path, setup in RESERVATION_SETUP:
+            with contextlib.suppress(ApiCallError):  # made once
+                plane.request("POST", path, setup)
+        for gpu in gpus:
+            try:
+                plane.request("POST", f"/api/v1/namespaces/{RESERVATION_NAMESPACE}/pods", reservation_pod(node, gpu))
+            except ApiCallError as error:
+                if error.code != 409:  # made before, for an earlier share of the GPU
+                    raise
+        plane.request("PATCH", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}", {"metadata": {"labels": gpu_group_labels(node, gpus)}},
+                      content_type="application/merge-patch+json")
         plane.request("POST", f"/api/v1/namespaces/{meta['namespace']}/configmaps", configmap)
     binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": meta["name"]},
                "target": {"apiVersion": "v1", "kind": "Node", "name": node}}

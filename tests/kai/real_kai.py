@@ -27,6 +27,7 @@ from kai_isolator.services.devcluster.kai import (
 )
 from kai_isolator.services.devcluster.kubelet import node_object
 from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane, ControlPlaneError, free_port
+from kai_isolator.shared.contract import RESERVATION_NAMESPACE, RESERVED_GPU_ANNOTATION
 from kai_isolator.shared.pki import CertificateAuthority
 
 Obj = dict[str, Any]
@@ -196,8 +197,7 @@ def real_admission(plane: ControlPlane, workdir: Path, hamicore: bool) -> Iterat
 # --- KAI's scheduler, binder and podgrouper ----------------------------------------------------------------------
 
 CRDS = Path("deployments") / "kai-scheduler" / "crds"
-RESERVATION_NAMESPACE = "kai-resource-reservation"
-GPU_INDEX_ANNOTATION = "run.ai/reserve_for_gpu_index"  # what the reservation pod's resourcereservation binary writes
+GPU_INDEX_ANNOTATION = RESERVED_GPU_ANNOTATION  # what the reservation pod's resourcereservation binary writes
 GPU_COUNT_LABEL = "nvidia.com/gpu.count"
 
 
@@ -206,9 +206,11 @@ GPU_COUNT_LABEL = "nvidia.com/gpu.count"
 RESERVATION_IMAGE = "registry/local/kai-scheduler/resourcereservation:0.0.0"
 
 
-def operator_binder_args(*, hamicore: bool = True) -> list[str]:
-    """The binder's arguments from KAI's operator (operands/binder buildArgsList) for the seed's install, ports aside."""
-    plugins = {"gpusharing": {"enabled": True}, "hamicore": {"enabled": hamicore}}
+def operator_binder_args(*, hamicore: bool = True, cdi: bool = False) -> list[str]:
+    """The binder's arguments from KAI's operator (operands/binder buildArgsList) for the seed's install, ports aside;
+    `cdi` as the operator sets it when the GPU Operator's ClusterPolicy turns CDI on (`binder.cdiEnabled`)."""
+    gpusharing: Obj = {"enabled": True, **({"arguments": {"cdiEnabled": "true"}} if cdi else {})}
+    plugins = {"gpusharing": gpusharing, "hamicore": {"enabled": hamicore}}
     return ["--scheduler-name", SCHEDULER_NAME, "--resource-reservation-namespace", RESERVATION_NAMESPACE,
             "--resource-reservation-service-account", RESERVATION_NAMESPACE, "--resource-reservation-app-label", RESERVATION_NAMESPACE,
             "--resource-reservation-pod-image", RESERVATION_IMAGE, "--plugins", json.dumps(plugins)]
@@ -228,6 +230,7 @@ class RealKaiScheduling:
         self._stop = threading.Event()
         self._reserver: threading.Thread | None = None
         self.started_s = 0.0
+        self.hamicore = True
 
     def install(self, namespaces: list[str]) -> None:
         self.plane.kubectl("apply", "--server-side", "-f", str(self.source_tree / CRDS))
@@ -273,17 +276,33 @@ class RealKaiScheduling:
         self._spawn("scheduler", [str(binaries / "scheduler"), f"--scheduler-name={SCHEDULER_NAME}", f"--namespace={KAI_NAMESPACE}",
                                   f"--listen-address=127.0.0.1:{free_port()}", f"--plugin-server-port={free_port()}",
                                   f"--profiler-port={free_port()}"])
-        self._spawn("binder", [str(binaries / "binder"), *operator_binder_args(hamicore=hamicore),
-                               "--health-probe-bind-address", f"127.0.0.1:{free_port()}", "--metrics-bind-address", "0",
-                               f"--kubeconfig={kubeconfig}"])
+        self.hamicore = hamicore
+        self._start_binder(hamicore=hamicore)
         self.started_s = time.monotonic() - started
         if simulate_reservations:
             self._reserver = threading.Thread(target=self._serve_reservations, daemon=True)
             self._reserver.start()
         return self
 
+    def _start_binder(self, *, hamicore: bool = True, cdi: bool = False) -> None:
+        binary = ensure_kai(("binder",)) / "binder"
+        self._spawn("binder", [str(binary), *operator_binder_args(hamicore=hamicore, cdi=cdi),
+                               "--health-probe-bind-address", f"127.0.0.1:{free_port()}", "--metrics-bind-address", "0",
+                               f"--kubeconfig={self.plane.admin_kubeconfig}"])
+
+    def restart_binder(self, *, cdi: bool) -> None:
+        """The binder again, as KAI's operator redeploys it when the cluster's CDI setting changes (seed flags otherwise)."""
+        process = self.processes["binder"]
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+        self._start_binder(hamicore=self.hamicore, cdi=cdi)
+
     def _spawn(self, name: str, command: list[str]) -> None:
-        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - the process keeps it
+        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - the process keeps it (a restarted one appends)
         # The scheduler takes its kubeconfig from KUBECONFIG only (it has no --kubeconfig flag).
         self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                                 env={**os.environ, "KUBECONFIG": str(self.plane.admin_kubeconfig)})

@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 
 from kai_isolator.services.devcluster.kai import (
-    CONFIGMAP_ANNOTATION, DEVICES_ENV, GPU_GROUP_LABEL, GPU_MEMORY_LABEL, RECEIVED_TYPE_ANNOTATION, binder_configmaps, fake_gpu_uuid,
-    gpu_portion, node_gpu_memory_mib, num_devices,
+    CDI_PREFIX, CONFIGMAP_ANNOTATION, DEVICES_ENV, GPU_GROUP_LABEL, GPU_MEMORY_LABEL, RECEIVED_TYPE_ANNOTATION, SEED, KaiOptions,
+    binder_configmaps, fake_gpu_uuid, gpu_portion, node_gpu_memory_mib, num_devices,
 )
 from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane
-from kai_isolator.services.nodeagent.grant_decision import Inputs, decide, target_container
+from kai_isolator.services.nodeagent.grant_decision import Inputs, decide, held_by_group, reservation, target_container
+from kai_isolator.shared.contract import RESERVATION_NAMESPACE, gpu_groups
 from kai.conftest import NODES, T4_NODE, TWO_GPU_NODE
 from kai.real_kai import TENANT, RealKaiScheduling
 
@@ -53,14 +54,20 @@ def configmaps_of(plane: ControlPlane, pod: Obj) -> list[Obj]:
                    for c in items if c["metadata"]["name"].startswith(prefix)), key=lambda c: str(c["name"]))
 
 
+def reservations_on(plane: ControlPlane, node: str) -> list[tuple[str, str]]:
+    """(GPU group, UUID) of each of KAI's reservation pods on `node`, as the node agent reads them."""
+    pods = plane.request("GET", f"/api/v1/namespaces/{RESERVATION_NAMESPACE}/pods")["items"]
+    return [held for held in (reservation(p, node) for p in pods) if held is not None]
+
+
 def devices_of(configmaps: list[Obj]) -> list[str]:
     return [d for c in configmaps for d in (c["data"].get(DEVICES_ENV) or "").split(",") if d]
 
 
-def simulated_configmaps(pod: Obj, devices: list[str]) -> list[Obj]:
+def simulated_configmaps(pod: Obj, devices: list[str], options: KaiOptions = SEED) -> list[Obj]:
     labels = NODES[pod["spec"]["nodeName"]]
     portion = gpu_portion(pod["metadata"]["annotations"], node_gpu_memory_mib(labels.get(GPU_MEMORY_LABEL)))
-    made = binder_configmaps(pod, labels, portion, devices)
+    made = binder_configmaps(pod, labels, portion, devices, options)
     return sorted(({"name": c["metadata"]["name"], "data": c.get("data") or {}, "owners": c["metadata"]["ownerReferences"]} for c in made),
                   key=lambda c: str(c["name"]))
 
@@ -108,7 +115,12 @@ def test_the_binder_writes_what_the_simulation_writes(kai_plane: ControlPlane, k
         assert (capabilities["GPU_PORTION"], capabilities.get("CUDA_DEVICE_MEMORY_LIMIT")) == WRITTEN[case]
         # What our node agent grants from what the real binder wrote (the target's env refers to this ConfigMap): the
         # limit on every device KAI chose, or nothing where KAI wrote no limit.
-        inputs = Inputs(capabilities.get("CUDA_DEVICE_MEMORY_LIMIT"), capabilities.get(DEVICES_ENV), NODES[pod["spec"]["nodeName"]].get(GPU_MEMORY_LABEL))
+        # KAI's reservation pods hold the very devices the ConfigMap names, one per GPU group of the pod's labels.
+        node = pod["spec"]["nodeName"]
+        held = held_by_group(reservations_on(kai_plane, node))
+        assert sorted(d for g in gpu_groups(pod["metadata"]["labels"]) for d in held.get(g, ())) == sorted(devices), held
+        inputs = Inputs(capabilities.get("CUDA_DEVICE_MEMORY_LIMIT"), capabilities.get(DEVICES_ENV), NODES[node].get(GPU_MEMORY_LABEL),
+                        reserved=held)
         grant = decide(pod, target_container(pod) or {}, inputs).grant
         limit = WRITTEN[case][1]
         assert (grant and [(d.uuid, d.limit_bytes) for d in grant.devices]) == (limit and [(d, int(limit[:-1]) << 20) for d in devices]), grant
@@ -133,3 +145,28 @@ def test_three_4096_shares_fit_the_t4_and_the_fourth_stays_pending(kai_plane: Co
         assert bound(kai_plane, kai_scheduling, names[3])["spec"]["nodeName"] == T4_NODE
     finally:
         delete(kai_plane, *names)
+
+
+def test_a_binder_told_the_device_plugin_uses_cdi_names_devices_as_the_simulation_does(kai_plane: ControlPlane,
+                                                                                      kai_scheduling: RealKaiScheduling) -> None:
+    """KAI's operator turns the gpusharing plugin's cdiEnabled on when the GPU Operator's ClusterPolicy uses CDI; the
+    binder then writes CDI device names, and the node agent grants the GPUs they name."""
+    body = kai_pod("cdi", node=TWO_GPU_NODE, **{"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"})
+    kai_scheduling.restart_binder(cdi=True)
+    try:
+        kai_plane.request("POST", f"/api/v1/namespaces/{TENANT}/pods", body)
+        pod = bound(kai_plane, kai_scheduling, "cdi")
+        real = configmaps_of(kai_plane, pod)
+        names = devices_of(real)
+        assert all(name.startswith(CDI_PREFIX) for name in names), real
+        uuids = [name.removeprefix(CDI_PREFIX) for name in names]
+        assert sorted(uuids) == [fake_gpu_uuid(0), fake_gpu_uuid(1)], real
+        assert real == simulated_configmaps(pod, uuids, KaiOptions(cdi=True))
+        capabilities = real[0]["data"]
+        inputs = Inputs(capabilities.get("CUDA_DEVICE_MEMORY_LIMIT"), capabilities.get(DEVICES_ENV), NODES[TWO_GPU_NODE].get(GPU_MEMORY_LABEL),
+                        reserved=held_by_group(reservations_on(kai_plane, TWO_GPU_NODE)))
+        grant = decide(pod, target_container(pod) or {}, inputs).grant
+        assert grant is not None and [(d.uuid, d.limit_bytes) for d in grant.devices] == [(u, 7680 << 20) for u in uuids], grant
+    finally:
+        delete(kai_plane, "cdi")
+        kai_scheduling.restart_binder(cdi=False)

@@ -31,7 +31,7 @@ from kai_isolator.services.devcluster.oci import image_archive, with_libraries
 from kai_isolator.services.nodeagent.grant_files import read_grant
 from kai_isolator.shared.contract import DEFAULT_GRANT_DIR
 from deploy.deploy_tools import helm_binary
-from real_node_support import SEED_POD, SEED_POD_NAME, Node, chart_release, until
+from real_node_support import SEED_POD, SEED_POD_NAME, Node, chart_release, gpu_pod, until
 
 pytestmark = pytest.mark.timeout(900)  # the first run builds KAI's resourcereservation (minutes)
 KAI_CHART = Path("deployments") / "kai-scheduler"
@@ -132,3 +132,24 @@ def test_the_seed_on_the_real_kai(real_kai: Node) -> None:
     # Our webhook and KAI's both reached the pod, in the API server's order, and our policy let KAI's envFrom be.
     assert "/usr/local/vgpu/" in node.kubectl("exec", SEED_POD_NAME, "--", "cat", "/proc/1/maps")
 
+
+
+def test_three_seed_shares_run_on_the_t4_and_the_fourth_stays_pending(real_kai: Node, cuda_image: str) -> None:
+    """KAI's capacity on the real node: 4096 MiB of the 15360 MiB T4 is planned as 0.27, so three run and the fourth
+    waits, until one of the three goes. Each running share holds its own grant, on the one GPU KAI reserved."""
+    node = real_kai
+    names = [f"share-{i}" for i in range(4)]
+    for name in names:
+        node.apply_pod(gpu_pod(name, cuda_image, 4096, ["sleep", "infinity"]))
+    running = [node.wait_running(name, timeout_s=180) for name in names[:3]]
+    time.sleep(5)  # several of KAI's scheduling cycles (one a second)
+    fourth = node.pod(names[3])
+    assert not fourth["spec"].get("nodeName") and fourth["status"].get("phase") == "Pending", fourth["status"]
+    reservations = [p for p in reservation_pods(node) if p["status"].get("phase") == "Running"]
+    assert [p["metadata"]["annotations"][GPU_INDEX_ANNOTATION] for p in reservations] == [fake_gpu_uuid(0)], reservations
+    root = node.node.host_path(DEFAULT_GRANT_DIR)
+    for pod in running:
+        grant = until("the node agent's grant", lambda pod=pod: read_grant(root, pod["metadata"]["uid"], "cuda"), 60)
+        assert [(d.uuid, d.limit_bytes) for d in grant.devices] == [(fake_gpu_uuid(0), 4147 << 20)], grant
+    node.kubectl("delete", "pod", names[0], "--grace-period=0", "--force", "--wait=true", timeout_s=60)
+    node.wait_running(names[3], timeout_s=120)

@@ -172,3 +172,28 @@ def test_upstreams_kind_smoke_checks_on_the_real_node(isolated_node: Node, cuda_
         spec = node.pod(name)["spec"]
         assert not any(v["name"] == VGPU_VOLUME for v in spec.get("volumes", [])), spec
         assert "libvgpu.so" not in node.kubectl("exec", name, "--", "cat", "/proc/1/maps")
+
+
+def test_a_pod_that_lands_before_the_library_waits_for_it_and_starts_with_it(isolated_node: Node, cuda_image: str) -> None:
+    """The webhook mounts the library directory as a hostPath of type Directory: on a node where the agent has not
+    installed it yet (a new node, the DaemonSet pod not up), the real kubelet refuses to start the container, and
+    retries until the directory is there; the pod never runs without the library."""
+    node = isolated_node
+    library = node.node.host_path(DEFAULT_VGPU_MOUNT)
+    until("the node agent installed the library", (library / "ld.so.preload").is_file, 60)
+    aside = library.with_name(library.name + ".aside")
+    library.rename(aside)  # the node as it is before the agent's first install
+    try:
+        node.apply_pod(kai_pod("early", cuda_image, 2048, ["sleep", "infinity"]))
+
+        def refused() -> str:
+            events = json.loads(node.kubectl("get", "events", "--field-selector", "involvedObject.name=early", "-o", "json"))["items"]
+            return next((e["message"] for e in events if e.get("reason") == "FailedMount"), "")
+
+        message = until("the kubelet refuses the missing library directory", refused, 60)
+        assert "hostPath type check failed" in message and DEFAULT_VGPU_MOUNT in message, message
+        assert node.pod("early")["status"].get("phase") == "Pending"
+    finally:
+        aside.rename(library)  # what the agent's install does
+    node.wait_running("early", timeout_s=150)  # the kubelet's mount retries back off to at most about 2 min
+    assert f"{DEFAULT_VGPU_MOUNT}/" in node.kubectl("exec", "early", "--", "cat", "/proc/1/maps")

@@ -1,7 +1,8 @@
 """Attacks on what the grant is computed from, through the real API server as a tenant with the `edit` role's rights in
-its namespace: the pod's GPU-request annotations (our webhook refuses any change once the pod exists) and KAI's ConfigMap
-(the tenant may edit it, so the node agent grants no more than the fixed annotation allows, on no more devices than
-the pod asked for). Judged by the grant the node agent writes under its own ServiceAccount."""
+its namespace: the pod's GPU-request annotations (our webhook refuses any change once the pod exists), its GPU-group
+labels (fixed once it is bound) and KAI's ConfigMap (the tenant may edit it, so the node agent grants no more than the
+fixed annotation allows, on no more devices than the pod asked for, and only on the GPUs KAI's reservation pods hold
+for the pod's groups). Judged by the grant the node agent writes under its own ServiceAccount."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from kai_isolator.services.devcluster.kai import CONFIGMAP_ANNOTATION, fake_gpu_
 from kai_isolator.services.devcluster.plane import ControlPlane
 from kai_isolator.services.nodeagent.grant_files import read_grant
 from kai_isolator.services.nodeagent.grants import GrantKeeper
+from kai_isolator.shared.contract import GPU_GROUP_LABEL, gpu_groups
 from kai_isolator.shared.events import GrantDecision
 from kai_isolator.shared.grant import GrantSource
 
@@ -100,13 +102,26 @@ def test_a_pod_created_without_a_gpu_request_cannot_be_given_one(control_plane: 
     assert done.returncode != 0 and REFUSED in done.stderr, done.stderr + done.stdout
 
 
-@pytest.mark.parametrize("edit", ["raise-limit", "both-gpus"])
+def test_the_tenant_cannot_move_its_bound_pod_to_another_gpu_group(control_plane: ControlPlane, tenant: tuple[Cluster, Path]) -> None:
+    cluster, kubeconfig = tenant
+    cluster.create(gpu_pod("placed"))
+    cluster.start("placed")  # KAI's binder put it in GPU 0's group, then bound it
+    group = cluster.get("placed")["metadata"]["labels"][GPU_GROUP_LABEL]
+    for change in ([f"{GPU_GROUP_LABEL}=someone-elses", "--overwrite"], [f"{GPU_GROUP_LABEL}-"], [f"{GPU_GROUP_LABEL}/extra=extra"]):
+        done = control_plane.kubectl("label", "-n", cluster.namespace, "pod", "placed", *change, kubeconfig=kubeconfig, check=False)
+        assert done.returncode != 0 and "GPU-group labels of a bound pod cannot change" in done.stderr, done.stderr + done.stdout
+    assert gpu_groups(cluster.get("placed")["metadata"]["labels"]) == {group}
+
+
+@pytest.mark.parametrize("edit", ["raise-limit", "both-gpus", "other-gpu"])
 async def test_an_edited_configmap_grants_no_more_than_was_booked(control_plane: ControlPlane, gpu_node: GpuNode,
                                                                  tenant: tuple[Cluster, Path], tmp_path: Path, edit: str) -> None:
     cluster, kubeconfig = tenant
     pod = cluster.create(gpu_pod(f"edit-{edit}"))
     cluster.start(pod["metadata"]["name"])
-    data = {"CUDA_DEVICE_MEMORY_LIMIT": "15000m"} if edit == "raise-limit" else {"NVIDIA_VISIBLE_DEVICES": f"{fake_gpu_uuid(0)},{fake_gpu_uuid(1)}"}
+    # other-gpu: one device, as asked, but not the one KAI reserved for the pod (a whole-GPU tenant's, say).
+    data = {"raise-limit": {"CUDA_DEVICE_MEMORY_LIMIT": "15000m"}, "both-gpus": {"NVIDIA_VISIBLE_DEVICES": f"{fake_gpu_uuid(0)},{fake_gpu_uuid(1)}"},
+            "other-gpu": {"NVIDIA_VISIBLE_DEVICES": fake_gpu_uuid(1)}}[edit]
     # The tenant may edit its namespace's ConfigMaps, KAI's among them: the API server lets this through.
     control_plane.kubectl("patch", "-n", cluster.namespace, "configmap", configmap_name(pod), "--type=merge", "-p", json.dumps({"data": data}),
                           kubeconfig=kubeconfig)
@@ -115,6 +130,9 @@ async def test_an_edited_configmap_grants_no_more_than_was_booked(control_plane:
     if edit == "raise-limit":  # held to the annotation's 4096 of 15360 MiB, as KAI booked it
         assert grant is not None and grant.source is GrantSource.ANNOTATION, decision
         assert [(d.uuid, d.limit_bytes) for d in grant.devices] == [(fake_gpu_uuid(0), 4147 * MIB)]
-    else:  # no grant: the enforcer holds the container to 0 (tests/security/test_shipped_defaults.py)
+    elif edit == "both-gpus":  # no grant: the enforcer holds the container to 0 (tests/security/test_shipped_defaults.py)
         assert grant is None and decision.outcome == "withheld", decision
         assert "devices-invalid" in [r.code for r in decision.reasons] and "gpu-fraction-num-devices" in decision.reasons[0].message
+    else:
+        assert grant is None and decision.outcome == "withheld", decision
+        assert [r.code for r in decision.reasons] == ["devices-not-reserved"] and fake_gpu_uuid(0) in decision.reasons[0].message, decision

@@ -21,7 +21,7 @@ import pytest
 from kubernetes_asyncio import client, config
 
 from kai_isolator.services.devcluster.cluster import DevCluster
-from kai_isolator.services.devcluster.kai import fake_gpu_uuid
+from kai_isolator.services.devcluster.kai import fake_gpu_uuid, gpu_group_labels, reservation_pod, reserve
 from kai_isolator.services.nodeagent.grant_files import grant_path, read_grant
 from kai_isolator.services.nodeagent.grants import GrantKeeper
 from kai_isolator.shared import subjects
@@ -106,15 +106,25 @@ async def keepers(api: client.ApiClient, tmp_path: Path) -> AsyncIterator[Keeper
 
 
 def gpu_pod(name: str, *, node: str | None = None, selector: str | None = NODE, configmap: str | None = None, **annotations: str) -> dict[str, Any]:
+    """A KAI pod for the simulated KAI to bind, or, with `node`, created bound as if KAI's binder had placed it on the
+    node's first GPU (its GPU-group label; `reserved` makes the reservation pod) but written no ConfigMap."""
     spec: dict[str, Any] = {"schedulerName": "kai-scheduler", "containers": [{"name": "main", "image": "x"}]}  # KAI admits only its own
+    metadata: dict[str, Any] = {"name": name}
     if node:
         spec["nodeName"] = node
+        metadata["labels"] = gpu_group_labels(node, [0])
     elif selector:
         spec["nodeSelector"] = {"kubernetes.io/hostname": selector}
-    meta_annotations = {"gpu-memory": "4096", **annotations}
+    metadata["annotations"] = {"gpu-memory": "4096", **annotations}
     if configmap:
-        meta_annotations["runai/shared-gpu-configmap"] = configmap  # the ConfigMap name KAI's admission uses
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "annotations": meta_annotations}, "spec": spec}
+        metadata["annotations"]["runai/shared-gpu-configmap"] = configmap  # the ConfigMap name KAI's admission uses
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+async def reserved(cluster: DevCluster, node: str = NODE) -> None:
+    """KAI's reservation pod for the node's first GPU, as its binder makes it before it binds a share there."""
+    assert cluster.api is not None
+    await reserve(cluster.api, reservation_pod(node, 0))
 
 
 async def wait_for_file(path: Path, timeout_s: float = 10) -> None:
@@ -185,6 +195,7 @@ async def test_pods_of_other_nodes_and_pods_not_sharing_a_gpu_get_nothing(dev_cl
 async def test_a_missing_configmap_is_waited_for_and_a_tenant_raised_limit_loses(dev_cluster: DevCluster, keepers: Keepers) -> None:
     await keepers.start()
     # Created bound: no binder ran, so no ConfigMap was written (KAI's admission keeps the ConfigMap name it is given).
+    await reserved(dev_cluster)
     pod = await dev_cluster.create("pods", gpu_pod("early", node=NODE, configmap="early-cm"), "default")
     uid = pod["metadata"]["uid"]
     withheld = await keepers.decision(lambda d: d.outcome == "withheld")

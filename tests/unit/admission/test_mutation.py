@@ -227,6 +227,26 @@ def test_an_update_that_keeps_the_gpu_request_is_allowed_unpatched_and_unpublish
     assert answer.record.decision == "skipped" and not answer.record.published
 
 
+@pytest.mark.parametrize(("before", "after"), [
+    ({"runai-gpu-group": "g-1"}, {"runai-gpu-group": "g-2"}),  # moved to the group of another GPU
+    ({"runai-gpu-group": "g-1"}, {}),
+    ({}, {"runai-gpu-group": "g-2"}),
+    ({"runai-gpu-group/g-1": "g-1"}, {"runai-gpu-group/g-1": "g-1", "runai-gpu-group/g-2": "g-2"}),
+])
+def test_the_gpu_groups_of_a_bound_pod_are_fixed(kit: SimpleNamespace, before: dict[str, str], after: dict[str, str]) -> None:
+    old = kit.make_pod(FRACTION)
+    old = {**old, "metadata": {**old["metadata"], "labels": {"team": "a", **before}}, "spec": {**old["spec"], "nodeName": "gpu-node-1"}}
+    new = {**old, "metadata": {**old["metadata"], "labels": {"team": "a", **after}}}
+    answer = Webhook(InjectionConfig(), "warn").handle(kit.review_of(new, operation="UPDATE", old=old))
+    response = kit.response_of(answer)
+    assert not response["allowed"] and response["status"]["code"] == 422, response
+    assert "GPU-group labels of a bound pod cannot change" in response["status"]["message"] and not answer.record.published
+    # Before the bind, KAI's binder sets them, and takes them off again when its bind fails.
+    unbound = {**old, "spec": {k: v for k, v in old["spec"].items() if k != "nodeName"}}
+    relabelled = {**new, "spec": unbound["spec"]}
+    assert kit.response_of(Webhook(InjectionConfig(), "warn").handle(kit.review_of(relabelled, operation="UPDATE", old=unbound)))["allowed"]
+
+
 @pytest.mark.parametrize("mode", ["warn", "enforce"])
 @pytest.mark.parametrize(("before", "after"), [
     ({"gpu-memory": "4096"}, {"gpu-memory": "15000"}),

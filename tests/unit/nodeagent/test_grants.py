@@ -1,5 +1,6 @@
 """The grant the node agent writes: computed from KAI's ConfigMap and the annotation (the smaller wins, never
-raised once written), refused on missing or bad inputs, and written atomically, root-owned and 0444."""
+raised once written), on the GPUs KAI's reservation pods hold for the pod's GPU groups, refused on missing or bad
+inputs, and written atomically, root-owned and 0444."""
 
 from __future__ import annotations
 
@@ -20,18 +21,31 @@ MIB = 1 << 20
 UUID0 = "GPU-0000fa4e-1111-2222-3333-000000000000"
 UUID1 = "GPU-0100fa4e-1111-2222-3333-000000000001"
 UID = "7f3c2a10-1111-4222-8333-444455556666"
+GROUPS = ("6a1f0c2e-0000-4000-8000-00000000000a", "6a1f0c2e-0000-4000-8000-00000000000b")
+# What KAI's reservation pods on the node hold: GPU 0 for the first group, GPU 1 for the second.
+RESERVED = {GROUPS[0]: frozenset({UUID0}), GROUPS[1]: frozenset({UUID1})}
+
+
+def group_labels(devices: int) -> dict[str, str]:
+    """KAI's binder's labels for a pod given the node's first `devices` GPU groups."""
+    if devices == 1:
+        return {"runai-gpu-group": GROUPS[0]}
+    return {f"runai-gpu-group/{g}": g for g in GROUPS[:devices]}
 
 
 def pod(annotations: dict[str, str] | None = None, containers: list[str] | None = None, inits: list[str] | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {"nodeName": "gpu-node-1", "containers": [{"name": n, "image": "x"} for n in containers or ["main"]]}
     if inits:
         spec["initContainers"] = [{"name": n, "image": "x"} for n in inits]
-    return {"metadata": {"name": "train", "namespace": "team-a", "uid": UID, "annotations": {"gpu-memory": "4096", **(annotations or {})}}, "spec": spec}
+    asked = (annotations or {}).get("gpu-fraction-num-devices", "1")
+    labels = group_labels(int(asked)) if asked in ("1", "2") else {}
+    return {"metadata": {"name": "train", "namespace": "team-a", "uid": UID, "labels": labels,
+                         "annotations": {"gpu-memory": "4096", **(annotations or {})}}, "spec": spec}
 
 
 def computed(limit: str | None = "4147m", devices: str | None = UUID0, label: str | None = "15360", **annotations: str) -> Any:
     p = pod(annotations)
-    return decide(p, p["spec"]["containers"][0], Inputs(limit, devices, label))
+    return decide(p, p["spec"]["containers"][0], Inputs(limit, devices, label, reserved=RESERVED))
 
 
 def test_the_seed_example_grants_the_configmap_limit_on_the_listed_device() -> None:
@@ -60,7 +74,7 @@ def test_a_smaller_configmap_limit_is_granted_as_is() -> None:
 def test_fraction_pods_cross_check_on_the_raw_label() -> None:
     p = pod()
     p["metadata"]["annotations"] = {"gpu-fraction": "0.5"}
-    decision = decide(p, p["spec"]["containers"][0], Inputs("40779m", UUID0, "81559"))
+    decision = decide(p, p["spec"]["containers"][0], Inputs("40779m", UUID0, "81559", reserved=RESERVED))
     assert decision.grant is not None and decision.grant.devices[0].limit_bytes == 40779 * MIB and not decision.reasons
 
 
@@ -76,6 +90,33 @@ def test_a_configmap_naming_other_than_the_devices_asked_for_gets_no_grant(devic
     decision = computed(devices=devices, **({"gpu-fraction-num-devices": asked} if asked else {}))
     assert decision.grant is None and [r.code for r in decision.reasons] == ["devices-invalid"], decision
     assert "gpu-fraction-num-devices" in decision.reasons[0].message
+
+
+def test_a_configmap_naming_a_gpu_kai_reserved_for_another_group_gets_no_grant() -> None:
+    # The tenant edits its ConfigMap to name the node's other GPU, one device as asked: KAI booked the share on GPU 0.
+    decision = computed(devices=UUID1)
+    assert decision.grant is None and not decision.retry and [r.code for r in decision.reasons] == ["devices-not-reserved"], decision
+    assert UUID1 in decision.reasons[0].message and UUID0 in decision.reasons[0].message
+
+
+@pytest.mark.parametrize("case", ["no group label", "no reservation seen", "two GPUs for one group"])
+def test_a_gpu_not_known_to_be_reserved_is_waited_for(case: str) -> None:
+    p = pod()
+    reserved = dict(RESERVED)
+    if case == "no group label":
+        p["metadata"]["labels"] = {}
+    elif case == "no reservation seen":
+        del reserved[GROUPS[0]]
+    else:
+        reserved[GROUPS[0]] = frozenset({UUID0, UUID1})
+    decision = decide(p, p["spec"]["containers"][0], Inputs("4147m", UUID0, "15360", reserved=reserved))
+    assert decision.grant is None and decision.retry and [r.code for r in decision.reasons] == ["devices-unreserved"], decision
+
+
+def test_without_what_the_reservation_pods_hold_nothing_is_granted() -> None:
+    p = pod()
+    decision = decide(p, p["spec"]["containers"][0], Inputs("4147m", UUID0, "15360"))
+    assert decision.grant is None and [r.code for r in decision.reasons] == ["devices-unreserved"]
 
 
 @pytest.mark.parametrize(("inputs", "code"), [
@@ -103,7 +144,7 @@ def test_a_bad_annotation_grants_nothing() -> None:
 
 def test_a_configmap_not_written_yet_is_retried() -> None:
     p = pod()
-    decision = decide(p, p["spec"]["containers"][0], Inputs(None, None, "15360", missing_configmaps=("train-abc-shared-gpu-0",)))
+    decision = decide(p, p["spec"]["containers"][0], Inputs(None, None, "15360", missing_configmaps=("train-abc-shared-gpu-0",), reserved=RESERVED))
     assert decision.grant is None and decision.retry and [r.code for r in decision.reasons] == ["configmap-missing"]
     assert "train-abc-shared-gpu-0" in decision.reasons[0].message
 
@@ -117,8 +158,9 @@ def test_a_written_grant_is_never_raised_but_may_shrink() -> None:
     assert kept is first and reason is not None and reason.code == "grant-kept"
     lower = computed(limit="1024m").grant
     assert never_raised(lower, first) == (lower, None)  # type: ignore[arg-type]
-    moved = computed(devices=UUID1).grant
-    assert never_raised(moved, first)[0] is first  # type: ignore[arg-type]
+    p = pod()  # the pod's GPU group on another GPU later (a reservation pod made again)
+    moved = decide(p, p["spec"]["containers"][0], Inputs("4147m", UUID1, "15360", reserved={GROUPS[0]: frozenset({UUID1})})).grant
+    assert moved is not None and never_raised(moved, first)[0] is first
 
 
 def test_target_is_the_named_container_init_containers_first() -> None:
@@ -291,15 +333,15 @@ async def test_without_an_api_no_client_and_a_broken_config_is_a_clear_error(tmp
 def test_a_gpu_annotation_kai_never_admitted_is_named_as_such() -> None:
     """Under the default scheduler KAI neither names ConfigMaps nor adds env: the reason says so, not 'KAI wrote no limit'."""
     p = pod()
-    decision = decide(p, p["spec"]["containers"][0], Inputs(None, None, "15360"))
+    decision = decide(p, p["spec"]["containers"][0], Inputs(None, None, "15360", reserved=RESERVED))
     assert decision.grant is None and not decision.retry and [r.code for r in decision.reasons] == ["not-admitted-by-kai"]
     assert "schedulerName 'default-scheduler'" in decision.reasons[0].message and "set schedulerName: kai-scheduler" in decision.reasons[0].message
 
 
 def test_no_limit_env_at_all_points_at_kais_hamicore_plugin() -> None:
     p = pod({"runai/shared-gpu-configmap": "train-abc-shared-gpu"})
-    decision = decide(p, p["spec"]["containers"][0], Inputs(None, UUID0, "15360"))
+    decision = decide(p, p["spec"]["containers"][0], Inputs(None, UUID0, "15360", reserved=RESERVED))
     assert [r.code for r in decision.reasons] == ["limit-missing"] and "hamicore plugin off" in decision.reasons[0].message
     p["spec"]["containers"][0]["env"] = [{"name": "CUDA_DEVICE_MEMORY_LIMIT", "valueFrom": {"configMapKeyRef": {"name": "x", "key": "CUDA_DEVICE_MEMORY_LIMIT"}}}]
-    decision = decide(p, p["spec"]["containers"][0], Inputs(None, UUID0, "15360"))
+    decision = decide(p, p["spec"]["containers"][0], Inputs(None, UUID0, "15360", reserved=RESERVED))
     assert "wrote none into its ConfigMap" in decision.reasons[0].message
