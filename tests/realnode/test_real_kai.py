@@ -138,6 +138,7 @@ def test_three_seed_shares_run_on_the_t4_and_the_fourth_stays_pending(real_kai: 
     """KAI's capacity on the real node: 4096 MiB of the 15360 MiB T4 is planned as 0.27, so three run and the fourth
     waits, until one of the three goes. Each running share holds its own grant, on the one GPU KAI reserved."""
     node = real_kai
+    node.clean()  # the seed's pod, if the test before left it
     names = [f"share-{i}" for i in range(4)]
     for name in names:
         node.apply_pod(gpu_pod(name, cuda_image, 4096, ["sleep", "infinity"]))
@@ -145,7 +146,7 @@ def test_three_seed_shares_run_on_the_t4_and_the_fourth_stays_pending(real_kai: 
     time.sleep(5)  # several of KAI's scheduling cycles (one a second)
     fourth = node.pod(names[3])
     assert not fourth["spec"].get("nodeName") and fourth["status"].get("phase") == "Pending", fourth["status"]
-    reservations = [p for p in reservation_pods(node) if p["status"].get("phase") == "Running"]
+    reservations = [p for p in reservation_pods(node) if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
     assert [p["metadata"]["annotations"][GPU_INDEX_ANNOTATION] for p in reservations] == [fake_gpu_uuid(0)], reservations
     root = node.node.host_path(DEFAULT_GRANT_DIR)
     for pod in running:
