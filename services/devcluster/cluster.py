@@ -271,6 +271,12 @@ class DevCluster:
         pod = await self.get("pods", namespace, name)
         await self.kubelets[pod["spec"]["nodeName"]].finish(namespace, name, exit_code)
 
+    async def unregister_webhook(self, name: str = WEBHOOK_NAME) -> None:
+        """Our webhook's registration gone: left behind a stopped webhook, failurePolicy Fail would refuse every
+        GPU-sharing pod the cluster gets afterwards."""
+        with contextlib.suppress(ApiCallError):  # 404: not registered
+            await self.request("DELETE", resource_path("mutatingwebhookconfigurations", None, name))
+
     async def register_webhook(self, url: str, ca_bundle_pem: bytes | str, *, name: str = WEBHOOK_NAME, failure_policy: str = "Ignore",
                                timeout_s: int = 5) -> Obj:
         """Register our pod webhook (CREATE, UPDATE) at `url` as deploy/ does: GPU-sharing pods only, namespaces may opt out."""
@@ -283,8 +289,7 @@ class DevCluster:
             "namespaceSelector": NAMESPACE_OPT_OUT, "matchConditions": [OUR_MATCH_CONDITION],
         }
         body = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration", "metadata": {"name": name}, "webhooks": [hook]}
-        with contextlib.suppress(ApiCallError):
-            await self.request("DELETE", resource_path("mutatingwebhookconfigurations", None, name))
+        await self.unregister_webhook(name)
         created: Obj = await self.request("POST", resource_path("mutatingwebhookconfigurations"), body)
         await self.ensure_namespace(WEBHOOK_PROBE_NAMESPACE)
         await self._until_admitted(WEBHOOK_PROBE_NAMESPACE, lambda pod: any(v["name"] == "kai-resource-isolator-vgpu" for v in pod["spec"].get("volumes") or []),

@@ -64,6 +64,10 @@ def chart_manifests(source: Path, templates: tuple[str, ...]) -> str:
     return done.stdout
 
 
+def clear_reservations(node: Node) -> None:
+    node.kubectl("delete", "pods", "--all", "-n", RESERVATION_NAMESPACE, "--grace-period=0", "--force", "--ignore-not-found", check=False, timeout_s=60)
+
+
 def reservation_pods(node: Node) -> list[dict[str, Any]]:
     return json.loads(node.kubectl("get", "pods", "-n", RESERVATION_NAMESPACE, "-o", "json"))["items"]  # type: ignore[no-any-return]
 
@@ -78,6 +82,8 @@ def real_kai(real_node_session: Node, chart_images: None, cuda_image: str, tmp_p
     took = {"reservation image": reservation_image(node, workdir)}
     source = _unpack(kai_source(), workdir / "source")
     node.loop.run(cluster.stop_simulated_kai(), 60)
+    # The simulation's reservation pods go with it: the real KAI would take each for a GPU group of its own.
+    clear_reservations(node)
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: node.loop.run(cluster.start_simulated_kai(), 60))
         started = time.monotonic()
@@ -91,8 +97,7 @@ def real_kai(real_node_session: Node, chart_images: None, cuda_image: str, tmp_p
         stack.enter_context(contextlib.contextmanager(real_admission)(node.plane, workdir / "admission", True))
         took["KAI started"] = time.monotonic() - started
         took["helm install (ours)"] = stack.enter_context(chart_release(node, "kai-isolator-kai-nats"))
-        stack.callback(lambda: node.kubectl("delete", "pods", "--all", "-n", RESERVATION_NAMESPACE, "--grace-period=0", "--force",
-                                            check=False, timeout_s=60))
+        stack.callback(lambda: clear_reservations(node))
         print("\nreal KAI on the real node: " + ", ".join(f"{k} {v:.1f}s" for k, v in took.items()), file=sys.stderr)
         try:
             yield node

@@ -49,7 +49,8 @@ async def services(node: Node, workdir: Path, nats_url: str) -> AsyncIterator[De
         # The enforcer's NVML is the node's (fake) driver, answering from the node's ledger process beside it, the one
         # every container's libraries reach through the socket the nvidia runtime binds in.
         await stack.enter_async_context(admission_dev.component(ctx))
-        await cluster.register_webhook(ctx.values["admission_url"], ctx.values["admission_ca_bundle"], failure_policy="Fail")
+        registered = await cluster.register_webhook(ctx.values["admission_url"], ctx.values["admission_ca_bundle"], failure_policy="Fail")
+        stack.push_async_callback(cluster.unregister_webhook, registered["metadata"]["name"])  # the tests after this module's
         await stack.enter_async_context(watcher_dev.component(ctx))
         await stack.enter_async_context(verifier_dev.component(ctx))
         settings = NodeAgentSettings(node_name="gpu-node-1", host_root=node.node.root, library=[HAMI_BUILD / "libvgpu.so"],
