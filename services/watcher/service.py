@@ -33,6 +33,7 @@ from prometheus_client import Counter, Gauge
 from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.errors import BusError, LeaseLostError
 from kai_isolator.shared.lease import Lease
+from kai_isolator.shared.tasks import cancel_all
 
 from .acks import AckPipeline
 from .fenced import FencedPublisher
@@ -144,15 +145,13 @@ class PodWatcher:
             # Cancelled from outside is an abrupt end, like a crash: KV already holds all that counts.
             # The flag too, because a client timeout racing the cancel may swallow it inside aiohttp.
             self._stopping.set()
-            for task in (main, stop):
-                task.cancel()
-            await asyncio.gather(main, stop, return_exceptions=True)
+            await cancel_all((main, stop))
             raise
-        for task in (main, stop):
-            task.cancel()
+        # Cancelled again until it ends: a cancel swallowed inside aiohttp would leave the watch waiting for its next
+        # event (a bookmark comes about once a minute), and a graceful stop waiting with it.
+        await cancel_all((main, stop))
         with contextlib.suppress(asyncio.CancelledError, _Stopping):
-            await stop
-            await main  # re-raises a bug; a cancelled event is simply replayed after restart
+            main.result()  # re-raises a bug; a cancelled event is simply replayed after restart
         # resource_version only ever names fully handled changes, so it is safe to save here.
         with contextlib.suppress(BusError, LeaseLostError, nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError):
             if self.lease.held():
