@@ -51,6 +51,11 @@ def is_gpu_sharing(annotations: dict[str, str]) -> bool:
     return GPU_FRACTION_ANNOTATION in annotations or GPU_MEMORY_ANNOTATION in annotations
 
 
+def gpu_group_labels(labels: dict[str, str]) -> dict[str, str]:
+    """The GPU-group labels among a pod's labels, as KAI's binder writes them."""
+    return {key: value for key, value in labels.items() if key == GPU_GROUP_LABEL or key.startswith(GPU_GROUP_LABEL + "/")}
+
+
 def gpu_groups(labels: dict[str, str]) -> frozenset[str]:
-    """The GPU groups a pod's labels name, as KAI's binder writes them."""
-    return frozenset(value for key, value in labels.items() if key == GPU_GROUP_LABEL or key.startswith(GPU_GROUP_LABEL + "/"))
+    """The GPU groups a pod's labels name."""
+    return frozenset(gpu_group_labels(labels).values())

@@ -10,8 +10,8 @@ from typing import Any
 
 from kai_isolator.shared.contract import (
     CONTAINER_NAME_ENV, CONTAINER_VGPU_MOUNT_ENV, FRACTION_CONTAINER_ANNOTATION as CONTAINER_NAME_ANNOTATION,
-    GPU_FRACTION_ANNOTATION, GPU_GROUP_LABEL, GPU_MEMORY_ANNOTATION, GPU_REQUEST_ANNOTATIONS, GRANT_VOLUME, INJECT_ANNOTATION, LIMIT_ENV,
-    POD_UID_ENV, SHARED_CACHE_ENV, STATE_VOLUME, VGPU_VOLUME,
+    GPU_FRACTION_ANNOTATION, GPU_MEMORY_ANNOTATION, GPU_REQUEST_ANNOTATIONS, GRANT_VOLUME, INJECT_ANNOTATION, LIMIT_ENV,
+    POD_UID_ENV, SHARED_CACHE_ENV, STATE_VOLUME, VGPU_VOLUME, gpu_group_labels,
 )
 from kai_isolator.shared.errors import IsolatorError
 
@@ -119,7 +119,7 @@ def _gpu_group_labels(pod: Any) -> dict[str, str]:
         return {}
     if not isinstance(labels, dict) or not set(map(type, labels.values())) <= {str}:
         raise PodUnreadable("metadata.labels must map strings to strings")
-    return {k: v for k, v in labels.items() if k == GPU_GROUP_LABEL or k.startswith(GPU_GROUP_LABEL + "/")}
+    return gpu_group_labels(labels)
 
 
 def asks_opt_out(annotations: dict[str, str]) -> bool:

@@ -29,7 +29,7 @@ import orjson
 from aiohttp import web
 
 from kai_isolator.shared.contract import (
-    GPU_GROUP_LABEL, KAI_CONFIGMAP_ANNOTATION, NUM_DEVICES_ANNOTATION, RESERVATION_NAMESPACE, RESERVED_GPU_ANNOTATION,
+    GPU_GROUP_LABEL, KAI_CONFIGMAP_ANNOTATION, NUM_DEVICES_ANNOTATION, RESERVATION_NAMESPACE, RESERVED_GPU_ANNOTATION, gpu_groups,
 )
 from kai_isolator.shared.pki import CertificateAuthority
 
@@ -611,7 +611,6 @@ class KaiScheduler:
             if pod.get("status", {}).get("phase") in ("Succeeded", "Failed") or not is_gpu_sharing(pod):
                 continue
             annotations = pod["metadata"].get("annotations") or {}
-            for key, value in (pod["metadata"].get("labels") or {}).items():
-                if key == GPU_GROUP_LABEL or key.startswith(GPU_GROUP_LABEL + "/"):
-                    used[value] = used.get(value, 0) + booked_mib(annotations, planned)
+            for group in gpu_groups(pod["metadata"].get("labels") or {}):
+                used[group] = used.get(group, 0) + booked_mib(annotations, planned)
         return used

@@ -6,8 +6,8 @@ no files."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from kai_isolator.shared.contract import (
