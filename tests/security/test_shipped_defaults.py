@@ -142,7 +142,9 @@ async def test_splitting_across_processes_does_not_buy_an_allowance_each(node: S
         assert await until(lambda: held_by(tenant) <= GIB + allowance, 10)
     _, _, breach = shipped.first_action(tenant) or (0, None, None)
     assert breach is not None and breach.action == "killed" and breach.tolerance_bytes == allowance
-    assert sum(p.process.returncode is not None for p in parts) >= 6  # 8 x 600 MiB down to grant + one allowance
+    # 8 x 600 MiB down to grant + one allowance; a killed process is reaped a moment after the driver frees it
+    reaped = lambda: sum(p.process.returncode is not None for p in parts)  # noqa: E731
+    assert await until(lambda: reaped() >= 6, 10), f"{reaped()} of 8 processes ended"
     over = held_at[2]  # the third process took the container past grant + allowance (1800 of 1536 MiB)
     row("split across 8 processes", node, max(0.0, shipped.acted_at(tenant) - over), shipped.verdict(tenant))
 
