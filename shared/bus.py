@@ -540,14 +540,20 @@ async def end_connection(nc: NatsClient) -> None:
         return {t for t in tasks + [sub._wait_for_msgs_task for sub in nc._subs.values()] if t is not None}
 
     tasks = own()
+    me = asyncio.current_task()
+    cancels_before = me.cancelling() if me else 0
     if not nc.is_closed:
         with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError, OSError):
             await nc.drain()
+    # nats-py's drain swallows a cancel of its caller: a stop that was cancelled must still end cancelled.
+    swallowed = me is not None and me.cancelling() > cancels_before
     if not nc.is_closed:
         with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError, OSError):
             await nc.close()
     tasks |= own()
-    await cancel_all(t for t in tasks if not t.done() and t is not asyncio.current_task())
+    await cancel_all(t for t in tasks if not t.done() and t is not me)
+    if swallowed:
+        raise asyncio.CancelledError
 
 
 async def _log_client_error(error: Exception) -> None:

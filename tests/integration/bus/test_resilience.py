@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 from kai_isolator.shared import subjects
-from kai_isolator.shared.bus import Runtime
+from kai_isolator.shared.bus import Runtime, connect, end_connection
 from kai_isolator.shared.embedded_nats import EmbeddedNats
 from kai_isolator.shared.errors import BusError
 from kai_isolator.shared.events import HealthVerdict, PodIsolation, PodRef
@@ -117,3 +117,24 @@ async def test_first_connection_fails_clearly_when_nothing_listens() -> None:
         raise AssertionError("connected to nothing")
     except BusError as error:
         assert "cannot reach NATS" in str(error)
+
+
+async def test_a_cancelled_stop_ends_cancelled_though_the_drain_swallows_it(bus_settings: BusSettings) -> None:
+    """nats-py's drain catches a cancel of its caller and returns; ending the connection must not lose that
+    cancel, or a service stop cancelled from outside runs on as if nothing had asked it to end."""
+    nc = await connect(bus_settings, bus_settings.nats_url or "", "drain-cancel")
+    handling = asyncio.Event()
+
+    async def slow(_msg: object) -> None:
+        handling.set()
+        await asyncio.sleep(30)  # the drain waits for this message to be handled
+
+    await nc.subscribe("slow", cb=slow)
+    await nc.publish("slow", b"x")
+    await asyncio.wait_for(handling.wait(), 5)
+    ending = asyncio.create_task(end_connection(nc))
+    await asyncio.sleep(0.3)  # inside the drain
+    ending.cancel()
+    done, _ = await asyncio.wait({ending}, timeout=10)
+    assert done and ending.cancelled()
+    assert nc.is_closed
