@@ -5,18 +5,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 from kai_isolator.shared.bus import Runtime, wait_for_signal
 from kai_isolator.shared.embedded_nats import bus_url
 from kai_isolator.shared.lease import LEASE_BUCKET, Lease, holder_name
 from kai_isolator.shared.settings import BusSettings, ProbeSettings, load
+from kai_isolator.shared.tasks import cancel_all
 
 from .kube import KubeClient, load_endpoint
 from .service import PodWatcher
 from .settings import WatcherSettings
 
 SERVICE = "watcher"
+GRACEFUL_STOP_S = 20.0
+"""Well inside a pod's default 30 s grace period."""
+log = logging.getLogger(__name__)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -47,9 +52,24 @@ async def running(settings: WatcherSettings, bus: BusSettings, url: str, probe_l
         yield watcher
     finally:
         watcher.stop()
-        await task
+        await stopped(task)
         await api.close()
         await runtime.stop()
+
+
+async def stopped(task: asyncio.Task[None]) -> None:
+    """Wait for the graceful stop, within a bound: past it the watcher is ended as by a crash, which loses
+    nothing (KV holds every fully handled change), so a stop never hangs a pod's termination."""
+    try:
+        done, _ = await asyncio.wait({task}, timeout=GRACEFUL_STOP_S)
+    except asyncio.CancelledError:
+        await cancel_all((task,))
+        raise
+    if not done:
+        log.warning("graceful stop did not end in time; ending the watcher abruptly", extra={"after_s": GRACEFUL_STOP_S})
+        await cancel_all((task,))
+    with contextlib.suppress(asyncio.CancelledError):
+        task.result()
 
 
 async def run(args: argparse.Namespace) -> int:
