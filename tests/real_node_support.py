@@ -77,7 +77,7 @@ class Node:
         deadline = time.monotonic() + timeout_s
         while True:
             pod = self.pod(name, namespace)
-            if pod["status"].get("phase") == "Running" and all(s.get("ready") for s in pod["status"].get("containerStatuses", [])):
+            if is_running(pod):
                 return pod
             if pod["status"].get("phase") in ("Failed", "Succeeded") or time.monotonic() > deadline:
                 events = self.kubectl("get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}", check=False)
@@ -190,6 +190,11 @@ def chart_release(node: Node, volume: str, install_timeout: str = "300s") -> Ite
             helm(node, "uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "120s", timeout_s=180)
         node.kubectl("delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true", check=False, timeout_s=120)
         node.kubectl("delete", "pv", volume, "--ignore-not-found", check=False)
+
+
+def is_running(pod: dict[str, Any]) -> bool:
+    """Running with every container ready, as `kubectl wait --for=condition=Ready` would have it."""
+    return pod["status"].get("phase") == "Running" and all(s.get("ready") for s in pod["status"].get("containerStatuses", []))
 
 
 def until(what: str, check: Any, timeout_s: float = 60) -> Any:
