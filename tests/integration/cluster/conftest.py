@@ -83,10 +83,12 @@ def gpu_pod(name: str, node: str = "gpu-node-1") -> dict[str, Any]:
 async def stream_events(url: str, filter_subject: str) -> list[Any]:
     """Every event in the stream under `filter_subject`, in stream order (an ephemeral consumer, read to the end).
 
-    Read again from the start when the cluster answers "not now" (a consumer placed while a server catches up).
+    Read again from the start when the cluster answers "not now" or does not answer the consumer's creation in
+    time (a consumer placed while a restarted server catches up: a loaded run's demo test waited past 5 s).
     """
     from kai_isolator.shared.events import decode
 
+    refusal: Exception | None = None
     for _ in range(10):
         nc = await nats.connect(url.split(","))
         try:
@@ -100,11 +102,12 @@ async def stream_events(url: str, filter_subject: str) -> list[Any]:
                     return found
                 found += [decode(m.data)[1] for m in batch]
                 await batch[-1].ack()  # AckAll: the consumer's 1000 unacked messages would stop it
-        except nats.js.errors.ServiceUnavailableError:
+        except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError) as error:  # the fetch's own timeout ends the read above
+            refusal = error
             await asyncio.sleep(0.5)
         finally:
             await nc.close()
-    raise AssertionError(f"the stream could not be read under {filter_subject}")
+    raise AssertionError(f"the stream could not be read under {filter_subject}: {refusal!r}")
 
 
 async def lease_holder(url: str, key: str) -> str | None:
