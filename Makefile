@@ -31,8 +31,11 @@ hami-core: $(CUDA_HEADERS)
 
 # tests/kai and tests/realnode run these of KAI-Scheduler's programs (a target-specific value: `kai` below builds only them for `test`).
 test: KAI_PROGRAMS = admission scheduler binder podgrouper resourcereservation
+# The suite mostly waits on real servers, so it runs in PYTEST_WORKERS pytest-xdist workers, more than the cores; tests
+# that share a costly session or module fixture stay together in one worker (tests/conftest.py). PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 4
 test: $(STAMP) hami-core contract-tools control-plane real-node kai
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The event contract (docs/events): regenerate it from the code; build its validator and example subscribers.
 contract: $(STAMP)

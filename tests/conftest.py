@@ -16,7 +16,39 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Node agent fixtures (`libraries`, `start_agent`) serve the node agent and installer tests alike;
 # the real control plane (`control_plane`, `deployed`) starts only for the tests that ask for it.
-pytest_plugins = ["nodeagent_fixtures", "control_plane.fixtures"]
+pytest_plugins = ["run_summary", "nodeagent_fixtures", "control_plane.fixtures"]
+
+SHARED_ONCE = {"real_node_session": "real-node", "kai_plane": "kai-plane"}
+"""Session fixtures worth starting once per run, not once per pytest-xdist worker: their tests share one worker."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (`make test` runs with --dist loadgroup)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        group = _worker_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A group xdist did not take would split a module's fixture across workers (two compose stacks of one name)."""
+    if item.config.getoption("loadgroup", False) and item.get_closest_marker("xdist_group") and "@" not in item.nodeid:
+        pytest.fail("pytest-xdist did not keep this test in its group: is pytest newer than pyproject.toml allows?")
+
+
+def _worker_group(item: pytest.Item) -> str | None:
+    """The tests that must run in one worker: those of a costly session fixture, and those of one module where they
+    share a module-scoped fixture (a real node's Helm release, a compose stack: set up once, in file order)."""
+    names = set(getattr(item, "fixturenames", ()))
+    for fixture, group in SHARED_ONCE.items():
+        if fixture in names:
+            return group
+    definitions = getattr(item, "_fixtureinfo", None)
+    scopes = {d.scope for defs in (definitions.name2fixturedefs.values() if definitions else ()) for d in defs}
+    if scopes & {"module", "package", "class"}:
+        return str(item.path.relative_to(REPO_ROOT))
+    return None
 
 
 @pytest.fixture

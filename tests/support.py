@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import json
+import subprocess
+import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
+from kai_isolator.services.devcluster.build import BuildError, cache_root
 from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.errors import BusError
 from kai_isolator.shared.events import Payload
@@ -29,9 +36,36 @@ def build_before_tests(config: pytest.Config, items: list[pytest.Item], fixtures
     capture = config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
         try:
-            return build()
+            with _one_builder_at_a_time():
+                return build()
         except failure as error:
             return error
+
+
+BUILD_WAIT_S = 3600.0
+"""How long a pytest-xdist worker waits for another's build (a fresh machine's Docker base images take minutes)."""
+
+
+@contextlib.contextmanager
+def _one_builder_at_a_time() -> Iterator[None]:
+    """Every xdist worker builds what its tests need before they run: the first builds, the others wait and then find
+    the cache warm (concurrent mmdebstrap runs or image builds of one tag would race)."""
+    path = cache_root() / "test-builds.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + BUILD_WAIT_S
+    with open(path, "w") as handle:
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise BuildError(f"another test run held {path} for over {BUILD_WAIT_S:.0f} s") from None
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 async def eventually(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -51,3 +85,60 @@ async def publish_until_stored(runtime: Runtime, event: Payload) -> None:
             return
         except BusError:
             await asyncio.sleep(0.1)
+
+
+# Run in a child interpreter that is the command's subreaper (prctl PR_SET_CHILD_SUBREAPER): whatever the command leaves
+# running is re-parented to it, never to init, so "left nothing running" is judged by lineage, not by a machine-wide
+# search that a parallel test's processes would confuse. It prints the outcome as JSON and kills what was left.
+_SUBREAPER = r"""
+import ctypes, json, os, signal, subprocess, sys, tempfile
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+# Files, not pipes: a process left behind would hold a pipe open, and reading it would wait for that process.
+with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    returncode = subprocess.run(sys.argv[2:], stdout=out, stderr=err, timeout=float(sys.argv[1])).returncode
+    out.seek(0), err.seek(0)
+    stdout, stderr = out.read(), err.read()
+def stat(pid):
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return "X", 0
+pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+states = {pid: stat(pid) for pid in pids}
+def children(pid):
+    return [child for child, (_, parent) in states.items() if parent == pid]
+def alive(pid):
+    return states[pid][0] not in "ZX"
+left, todo = [], children(os.getpid())
+while todo:
+    pid = todo.pop()
+    todo += children(pid)
+    if alive(pid):
+        left.append(f"{pid} " + open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace").strip())
+for entry in left:
+    try:
+        os.kill(int(entry.split()[0]), signal.SIGKILL)
+    except OSError:
+        pass
+print(json.dumps({"returncode": returncode, "stdout": stdout, "stderr": stderr, "left": left}))
+"""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A command that has ended: its exit status, its output, and every process it left running (`PID cmdline`)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    left: list[str]
+
+
+def run_leaving_nothing(argv: list[str], cwd: Path, timeout_s: float) -> Finished:
+    """Run `argv` to its end and name the processes it left behind (they are killed afterwards)."""
+    done = subprocess.run([sys.executable, "-c", _SUBREAPER, str(timeout_s), *argv], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout_s + 30, check=False)
+    if done.returncode != 0:
+        raise AssertionError(f"the subreaper around {argv} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return Finished(**json.loads(done.stdout))

@@ -22,6 +22,7 @@ from kai_isolator.services.devcluster.build import Binaries, BuildError, ensure_
 from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.services.devcluster.plane import ControlPlane, ControlPlaneError
 from kai_isolator.shared.embedded_nats import EmbeddedNats
+import run_summary
 from support import build_before_tests
 
 from .node import GpuNode
@@ -29,7 +30,6 @@ from .webhook import NAMESPACE, RunningWebhook, run_certs
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "deploy" / "kustomize" / "base"
-_started: list[ControlPlane] = []
 _names = itertools.count()
 _built: list[Binaries | BuildError] = []
 
@@ -49,7 +49,9 @@ def _session_plane(tmp_path_factory: pytest.TempPathFactory, name: str) -> Itera
     started = time.monotonic()
     plane.start()
     plane.startup_s["total"] = time.monotonic() - started
-    _started.append(plane)
+    times = ", ".join(f"{phase} {seconds:.1f}s" for phase, seconds in plane.startup_s.items())
+    run_summary.add("real control planes", f"{name} (kube-apiserver {binaries.kube_version}, etcd {binaries.etcd_version}) "
+                                           f"started in: {times}")
     try:
         yield plane
     finally:
@@ -106,13 +108,6 @@ def make_namespace(plane: ControlPlane, prefix: str = "test", labels: dict[str, 
 @pytest.fixture
 def namespace(control_plane: ControlPlane) -> str:
     return make_namespace(control_plane)
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    for plane in _started:
-        times = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in plane.startup_s.items())
-        terminalreporter.write_line(f"real control plane (kube-apiserver {plane.binaries.kube_version}, etcd "
-                                    f"{plane.binaries.etcd_version}) started in: {times}")
 
 
 @pytest.fixture(scope="session")

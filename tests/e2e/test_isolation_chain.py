@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from kai_isolator.services.admission.pod import find_target, read_pod
 from kai_isolator.services.demo.scenario import CUDA_PROGRAM, HAMI_BUILD, NVIDIA_SMI, demo_pod
 from kai_isolator.shared.contract import GRANT_VOLUME
 from kai_isolator.shared.events import HealthVerdict, PodIsolation
+from support import run_leaving_nothing
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_DRIVER = HAMI_BUILD / "fake"
@@ -122,8 +122,7 @@ def verdicts_for(chain, name: str) -> list[HealthVerdict]:  # type: ignore[no-un
 
 @pytest.mark.timeout(150)
 def test_make_run_shows_the_whole_flow_and_leaves_nothing_running() -> None:
-    before = set(_pids_of("cuprobe")) | set(_pids_of("nats-server"))
-    result = subprocess.run(["make", "--no-print-directory", "run"], cwd=REPO, capture_output=True, text=True, timeout=100)
+    result = run_leaving_nothing(["make", "--no-print-directory", "run"], cwd=REPO, timeout_s=100)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
     for step in (
@@ -152,9 +151,7 @@ def test_make_run_shows_the_whole_flow_and_leaves_nothing_running() -> None:
     alarming = [line for line in (out + result.stderr).splitlines()
                 if LOOKS_LIKE_A_FAILURE.search(line) and not DEMO_BREACH.search(line)]
     assert not alarming, "\n".join(alarming)
-    after = set(_pids_of("cuprobe")) | set(_pids_of("nats-server"))
-    assert after <= before
-    assert not _dev_stack_processes(), "etcd or kube-apiserver of the dev stack outlived `make run`"
+    assert not result.left, "outlived `make run`:\n" + "\n".join(result.left)
 
 
 # A log line at warning or above (shared/logs.py's text format), the library's, or a traceback.
@@ -162,28 +159,3 @@ LOOKS_LIKE_A_FAILURE = re.compile(r"^\d\d:\d\d:\d\d\.\d{3} (warning|error|critic
 # The node agent's warnings for the pods the demo has exceed their grant: those are real breaches, caught.
 DEMO_BREACH = re.compile(r" warning kai_isolator\.services\.nodeagent\.\w+: (breach: killed|isolation breached) .*"
                          r"pod=default/(opted-out|webhook-was-down|bypass-demo) ")
-
-
-def _pids_of(name: str) -> list[int]:
-    """This checkout's processes of that name (other checkouts on the machine run their own)."""
-    found = subprocess.run(["pgrep", "-x", name], capture_output=True, text=True)
-    return [int(p) for p in found.stdout.split() if _runs_from_repo(int(p))]
-
-
-def _dev_stack_processes() -> list[int]:
-    """Processes whose command line names a `kai-isolator dev` work dir (its etcd and kube-apiserver do)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and b"kai-isolator-dev-" in (proc / "cmdline").read_bytes():
-                found.append(int(proc.name))
-        except OSError:
-            continue
-    return found
-
-
-def _runs_from_repo(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/exe").resolve().is_relative_to(REPO.resolve())
-    except OSError:
-        return False

@@ -11,7 +11,7 @@ import pytest
 
 from kai_isolator.services.demo.kubelet import cgroup_hierarchies
 from kai_isolator.shared.cgroups import CgroupDriver
-from security.container import OUTCOMES, REPO, SHIPPED, SimNode
+from security.container import REPO, SimNode
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="simulated containers need mount namespaces and cgroups (root)")
 
@@ -33,15 +33,3 @@ async def node(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[
     finally:
         await sim.stop()
 
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The escape table as run: each attack, its outcome against the fake driver, and the verdict."""
-    if OUTCOMES:
-        terminalreporter.section("attacks as run (tests/security)")
-        for attack, outcome, verdict in OUTCOMES:
-            terminalreporter.write_line(f"{attack:<32} {outcome:<42} {verdict}")
-    if SHIPPED:
-        terminalreporter.section("attacks at the shipped defaults (tests/security/test_shipped_defaults.py)")
-        terminalreporter.write_line(f"{'attack':<48} {'ledger peak':>12} {'time to act':>12}  verdict")
-        for attack, peak, acted, verdict in SHIPPED:
-            terminalreporter.write_line(f"{attack:<48} {peak:>12} {acted:>12}  {verdict}")

@@ -39,6 +39,7 @@ from kai_isolator.shared.events import InspectReply, InspectRequest, PodIsolatio
 from kai_isolator.shared.fake_gpu import FAKE_CONTEXT_OVERHEAD_BYTES, FakeGpu
 from kai_isolator.shared.grant import DeviceGrant, Grant, GrantSource
 from kai_isolator.shared.limits import parse_limit
+import run_summary
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "hami-core" / "build"
@@ -213,10 +214,16 @@ class Container:
         return judge(self.isolation(), reply or self.inspect(), LIBRARY_PATH)
 
 
-# (attack, outcome, verdict codes) of every attack run this session, printed after the tests.
-OUTCOMES: list[tuple[str, str, str]] = []
-# (attack class, the ledger's peak, the time to act, the verdict) of each run at the shipped defaults.
-SHIPPED: list[tuple[str, str, str, str]] = []
+def record_outcome(attack: str, outcome: str, verdict: str) -> None:
+    """One row of the escape table printed after the tests: the attack, its outcome against the fake driver, the verdict."""
+    run_summary.add("attacks as run (tests/security)", f"{attack:<32} {outcome:<42} {verdict}")
+
+
+def record_shipped(attack: str, peak: str, acted: str, verdict: str) -> None:
+    """One row of the table of attacks at the shipped defaults, printed after the tests."""
+    run_summary.add("attacks at the shipped defaults (tests/security/test_shipped_defaults.py)",
+                f"{attack:<48} {peak:>12} {acted:>12}  {verdict}",
+                header=f"{'attack':<48} {'ledger peak':>12} {'time to act':>12}  verdict")
 
 
 def blocked_or_detected(container: Container, grant_bytes: int, *codes: str) -> str:
@@ -229,8 +236,8 @@ def blocked_or_detected(container: Container, grant_bytes: int, *codes: str) -> 
     if outcome == "detected":
         assert judgement.verdict != "verified" and set(codes) <= set(named), (
             f"past the grant (driver peak {peak} bytes) and the verdict is {judgement.verdict} {judgement.reasons}")
-    OUTCOMES.append((f"{container.pod_ref.name} [{container.node.driver.value}]", f"{outcome} (driver peak {peak >> 20} MiB of {grant_bytes >> 20})",
-                     f"{judgement.verdict}: {', '.join(named) or '-'}"))
+    record_outcome(f"{container.pod_ref.name} [{container.node.driver.value}]", f"{outcome} (driver peak {peak >> 20} MiB of {grant_bytes >> 20})",
+                   f"{judgement.verdict}: {', '.join(named) or '-'}")
     return outcome
 
 

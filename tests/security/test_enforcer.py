@@ -32,7 +32,7 @@ from kai_isolator.shared.contract import DEFAULT_GRANT_DIR
 from kai_isolator.shared.events import Breach, HealthVerdict, InspectRequest, decode
 from kai_isolator.shared.settings import BusSettings
 from security.container import (
-    BUILD, CONTEXT, CUPROBE, FAKE_DIR, GIB, MIB, OUTCOMES, Background, Container, SimNode, decoy_library, gpu_pod, tenant_grant,
+    BUILD, CONTEXT, CUPROBE, FAKE_DIR, GIB, MIB, Background, Container, SimNode, decoy_library, gpu_pod, record_outcome, tenant_grant,
 )
 
 RAWELF = BUILD / "tests" / "rawelf"
@@ -143,8 +143,8 @@ async def test_a_bypass_is_killed_and_the_neighbour_keeps_its_memory(node: SimNo
     assert holders(node, neighbour) and not holders(node, tenant)
     third = await enforcer.poll()
     assert not third.breaches and len(reports.seen) == 1
-    OUTCOMES.append((f"{how} [{node.driver.value}]", f"killed by the enforcer ({ATTACK >> 20} MiB of {GIB >> 20})",
-                     f"breached: {', '.join(r.code for r in verdict.reasons)}"))
+    record_outcome(f"{how} [{node.driver.value}]", f"killed by the enforcer ({ATTACK >> 20} MiB of {GIB >> 20})",
+                   f"breached: {', '.join(r.code for r in verdict.reasons)}")
 
 
 async def test_kill_stops_at_the_grant_biggest_first_and_one_breach_is_acted_on_once(node: SimNode, driver_view: Nvml) -> None:
@@ -379,7 +379,7 @@ async def test_a_tampered_accounting_file_is_held_to_the_grant_by_the_enforcer(n
     assert breach.action == "killed" and breach.measured_bytes == 1536 * MIB + 2 * CONTEXT and breach.grant_bytes == GIB
     killed = [program for program in (first, second) if await _ended(program)]
     assert len(killed) == 1 and node.driver_used() == 768 * MIB  # one of the two, and the grant holds again
-    OUTCOMES.append((f"{how} [{node.driver.value}]", "killed by the enforcer (1536 MiB of 1024)", "breached: over-grant, killed"))
+    record_outcome(f"{how} [{node.driver.value}]", "killed by the enforcer (1536 MiB of 1024)", "breached: over-grant, killed")
 
 
 async def test_an_empty_preload_from_a_user_namespace_is_killed_past_the_grant(node: SimNode, driver_view: Nvml, tmp_path: Path) -> None:
@@ -395,7 +395,7 @@ async def test_an_empty_preload_from_a_user_namespace_is_killed_past_the_grant(n
     await enforcer.poll()
     await enforcer.poll()
     assert await exited_by_sigkill(bypass) and node.driver_used() == 0
-    OUTCOMES.append((f"empty-preload [{node.driver.value}]", f"killed by the enforcer ({ATTACK >> 20} MiB of 1024)", "breached: over-grant, killed"))
+    record_outcome(f"empty-preload [{node.driver.value}]", f"killed by the enforcer ({ATTACK >> 20} MiB of 1024)", "breached: over-grant, killed")
 
 
 async def _ended(program: Background) -> bool:

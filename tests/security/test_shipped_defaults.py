@@ -20,7 +20,7 @@ from kai_isolator.services.nodeagent.nvml import Nvml
 from kai_isolator.services.nodeagent.settings import NodeAgentSettings
 from kai_isolator.shared.contract import DEFAULT_GRANT_DIR, FRACTION_CONTAINER_ANNOTATION
 from kai_isolator.shared.events import Breach, PodRef
-from security.container import BUILD, CONTEXT, CUPROBE, GIB, MIB, NODE, SHIPPED, Background, Container, SimNode, gpu_pod
+from security.container import BUILD, CONTEXT, CUPROBE, GIB, MIB, NODE, Background, Container, SimNode, gpu_pod, record_shipped
 
 RAWELF = BUILD / "tests" / "rawelf"
 
@@ -113,7 +113,7 @@ async def until(condition: Callable[[], bool], timeout_s: float) -> bool:
 
 def row(attack: str, node: SimNode, acted_s: float | None, verdict: str) -> None:
     peak = node.driver_stats()["peak"]
-    SHIPPED.append((f"{attack} [{node.driver.value}]", f"{peak >> 20} MiB", "never" if acted_s is None else f"{acted_s:.2f} s", verdict))
+    record_shipped(f"{attack} [{node.driver.value}]", f"{peak >> 20} MiB", "never" if acted_s is None else f"{acted_s:.2f} s", verdict)
 
 
 async def raw(container: Container, nbytes: int, hold_ms: int = 600000) -> Background:
