@@ -217,9 +217,19 @@ class Demo:
     # --- steps ----------------------------------------------------------------------------
 
     async def point_webhook_at(self, hooks: client.AdmissionregistrationV1Api, url: str, *, reachable: bool) -> None:
+        await self.until_registered()
         patch = [{"op": "replace", "path": "/webhooks/0/clientConfig/url", "value": url}]
         await hooks.patch_mutating_webhook_configuration(WEBHOOK, patch)
         await self.until_in_force(injected=reachable)
+
+    async def until_registered(self, timeout_s: float = 30) -> None:
+        """The local control plane registers our webhook once the webhook serves (dev.register_admission_when_ready): a
+        step that changes the registration waits for it, whichever step runs first."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ctx.values.get("webhook_registered"):
+            if time.monotonic() > deadline:
+                raise DemoFailed(f"the webhook was not registered with the API server within {timeout_s:.0f}s")
+            await asyncio.sleep(0.05)
 
     async def until_in_force(self, *, injected: bool, timeout_s: float = 30) -> None:
         """The API server takes a changed webhook configuration up from a watch, not at once (seconds, on a loaded
