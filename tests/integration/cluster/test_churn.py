@@ -287,6 +287,7 @@ class Stored:
     subject: str
     payload: Any
     at: float  # when the stream stored it (epoch seconds, the server's clock: this machine's)
+    made: float  # the event's own time: when its publisher made it (the webhook: when it decided)
 
 
 async def stored_events(url: str) -> list[Stored]:
@@ -304,7 +305,8 @@ async def stored_events(url: str) -> list[Stored]:
                     return found
                 for message in batch:
                     envelope, payload = decode(message.data)
-                    found.append(Stored(envelope.id, message.subject, payload, message.metadata.timestamp.timestamp()))
+                    found.append(Stored(envelope.id, message.subject, payload, message.metadata.timestamp.timestamp(),
+                                        envelope.time.timestamp()))
                 await batch[-1].ack()
         except nats.js.errors.ServiceUnavailableError:
             await asyncio.sleep(0.5)
@@ -325,8 +327,10 @@ class Stories:
 
     @classmethod
     def of(cls, events: list[Stored]) -> Stories:
+        """A pod's decisions in the order the webhook made them: it sends them pipelined, and one resent after a server
+        was lost is stored after a later one. The watcher sends one pod's states one at a time: stream order is theirs."""
         stories = cls()
-        for e in events:
+        for e in sorted(events, key=lambda e: e.made if isinstance(e.payload, AdmissionDecision) else 0.0):
             stories.ids[e.id] += 1
             p = e.payload
             if isinstance(p, AdmissionDecision) and p.namespace == NAMESPACE:
