@@ -153,7 +153,8 @@ async def test_decisions_whose_acks_died_with_the_server_are_sent_again_on_recon
     server = await start_webhook(bus_settings.model_copy(update={"jetstream_timeout_s": 30.0}))
     await eventually(server.publisher.bus_ready.is_set)
     await mutate(client, server.url, review_bytes(gpu_pod("first"), uid="first"))
-    await eventually(lambda: len(seen) == 1)
+    # Its ack in too, not only its delivery: stopped before the ack left, the server would hold 21 unacknowledged.
+    await eventually(lambda: len(seen) == 1 and server.publisher.pending == 0)
     nats_server._process.send_signal(signal.SIGSTOP)
     for i in range(20):
         await mutate(client, server.url, review_bytes(gpu_pod(f"p{i}"), uid=f"lost-{i}"))
