@@ -149,9 +149,9 @@ def test_a_binder_told_the_device_plugin_uses_cdi_names_devices_as_the_simulatio
     """KAI's operator turns the gpusharing plugin's cdiEnabled on when the GPU Operator's ClusterPolicy uses CDI; the
     binder then writes CDI device names, and the node agent grants the GPUs they name."""
     kai_scheduling.restart_binder(cdi=True)
-    names = [f"cdi-{attempt}" for attempt in range(3)]
+    attempts = [f"cdi-{attempt}" for attempt in range(3)]
     try:
-        for name in names:
+        for name in attempts:
             kai_plane.request("POST", f"/api/v1/namespaces/{TENANT}/pods",
                               kai_pod(name, node=TWO_GPU_NODE, **{"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"}))
             pod = bound(kai_plane, kai_scheduling, name)
@@ -160,11 +160,11 @@ def test_a_binder_told_the_device_plugin_uses_cdi_names_devices_as_the_simulatio
             delete(kai_plane, name)
             no_reservations_on(kai_plane, TWO_GPU_NODE)
         else:
-            pytest.fail(f"KAI's binder rolled back every bind of {names}")
+            pytest.fail(f"KAI's binder rolled back every bind of {attempts}")
         real = configmaps_of(kai_plane, pod)
-        names = devices_of(real)
-        assert all(name.startswith(CDI_PREFIX) for name in names), real
-        uuids = [name.removeprefix(CDI_PREFIX) for name in names]
+        devices = devices_of(real)
+        assert all(device.startswith(CDI_PREFIX) for device in devices), real
+        uuids = [device.removeprefix(CDI_PREFIX) for device in devices]
         assert sorted(uuids) == [fake_gpu_uuid(0), fake_gpu_uuid(1)], real
         assert real == simulated_configmaps(pod, uuids, KaiOptions(cdi=True))
         capabilities = real[0]["data"]
@@ -173,7 +173,7 @@ def test_a_binder_told_the_device_plugin_uses_cdi_names_devices_as_the_simulatio
         grant = decide(pod, target_container(pod) or {}, inputs).grant
         assert grant is not None and [(d.uuid, d.limit_bytes) for d in grant.devices] == [(u, 7680 << 20) for u in uuids], grant
     finally:
-        delete(kai_plane, *names)
+        delete(kai_plane, *attempts)
         kai_scheduling.restart_binder(cdi=False)
 
 
