@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
-from kai_isolator.services.devcluster.build import BuildError, cache_root
+from kai_isolator.services.devcluster.build import cache_root, locked
 from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.errors import BusError
 from kai_isolator.shared.events import Payload
@@ -36,36 +35,12 @@ def build_before_tests(config: pytest.Config, items: list[pytest.Item], fixtures
     capture = config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
         try:
-            with _one_builder_at_a_time():
+            # Every xdist worker builds what its tests need: the first builds, the others wait and find the cache warm
+            # (concurrent mmdebstrap runs or image builds of one tag would race).
+            with locked(cache_root() / "test-builds.lock"):
                 return build()
         except failure as error:
             return error
-
-
-BUILD_WAIT_S = 3600.0
-"""How long a pytest-xdist worker waits for another's build (a fresh machine's Docker base images take minutes)."""
-
-
-@contextlib.contextmanager
-def _one_builder_at_a_time() -> Iterator[None]:
-    """Every xdist worker builds what its tests need before they run: the first builds, the others wait and then find
-    the cache warm (concurrent mmdebstrap runs or image builds of one tag would race)."""
-    path = cache_root() / "test-builds.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + BUILD_WAIT_S
-    with open(path, "w") as handle:
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise BuildError(f"another test run held {path} for over {BUILD_WAIT_S:.0f} s") from None
-                time.sleep(0.5)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 async def eventually(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -95,7 +70,10 @@ import ctypes, json, os, signal, subprocess, sys, tempfile
 ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
 # Files, not pipes: a process left behind would hold a pipe open, and reading it would wait for that process.
 with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-    returncode = subprocess.run(sys.argv[2:], stdout=out, stderr=err, timeout=float(sys.argv[1])).returncode
+    try:
+        returncode = subprocess.run(sys.argv[2:], stdout=out, stderr=err, timeout=float(sys.argv[1])).returncode
+    except subprocess.TimeoutExpired:
+        returncode = 124  # the command was killed; what it started is still named and killed below
     out.seek(0), err.seek(0)
     stdout, stderr = out.read(), err.read()
 def stat(pid):

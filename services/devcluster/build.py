@@ -150,12 +150,24 @@ def _go_env(component: Component) -> dict[str, str]:
     return env
 
 
+LOCK_WAIT_S = 3600.0
+"""How long a builder waits for another's build of the same thing (a fresh machine's Kubernetes build takes minutes)."""
+
+
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """One builder per cache entry at a time: a concurrent run waits and then finds the binaries."""
+def locked(path: Path, timeout_s: float = LOCK_WAIT_S) -> Iterator[None]:
+    """One builder at a time: a concurrent run waits, at most `timeout_s`, and then finds the cache warm."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
     with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise BuildError(f"another build held {path} for over {timeout_s:.0f} s") from None
+                time.sleep(0.5)
         try:
             yield
         finally:
@@ -225,7 +237,7 @@ def ensure(component: Component, log: TextIO = sys.stderr) -> Path:
     target = entry(component)
     if all((target / p).is_file() for p in component.programs()):
         return target
-    with _locked(target.with_name(target.name + ".lock")):
+    with locked(target.with_name(target.name + ".lock")):
         if all((target / p).is_file() for p in component.programs()):
             return target  # built by a concurrent run while this one waited
         if target.exists():
@@ -421,7 +433,7 @@ def ensure_kai(programs: tuple[str, ...] = KAI_PROGRAMS, log: TextIO = sys.stder
     packages = source.packages(programs)
     if all((target / p).is_file() for p in programs):
         return target
-    with _locked(target.with_name(target.name + ".lock")):
+    with locked(target.with_name(target.name + ".lock")):
         missing = tuple(p for p in programs if not (target / p).is_file())
         if not missing:
             return target
