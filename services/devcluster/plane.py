@@ -10,7 +10,6 @@ import base64
 import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -22,6 +21,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from kai_isolator.shared.pki import CertificateAuthority, private_key_pem, public_key_pem
+from kai_isolator.shared.ports import free_port
 
 from .build import Binaries
 
@@ -33,12 +33,6 @@ ISSUER = "https://kubernetes.default.svc.cluster.local"
 
 class ControlPlaneError(RuntimeError):
     """The control plane did not start, or a call to it failed; the message carries the server's log tail or reply."""
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _tail(path: Path, lines: int = 30) -> str:

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane, ControlPlaneError, free_port
+from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane, ControlPlaneError
+from kai_isolator.shared.ports import free_port
 
 NAMESPACE = "kai-resource-isolator"  # where deploy/ installs the webhook, its Service and the certs Job
 

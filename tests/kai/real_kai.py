@@ -26,7 +26,8 @@ from kai_isolator.services.devcluster.kai import (
     ADMISSION_NAME, ADMISSION_WEBHOOK, GPU_MEMORY_LABEL, KAI_NAMESPACE, SCHEDULER_NAME, fake_gpu_uuid,
 )
 from kai_isolator.services.devcluster.kubelet import node_object
-from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane, ControlPlaneError, free_port
+from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane, ControlPlaneError
+from kai_isolator.shared.ports import free_port
 from kai_isolator.shared.contract import RESERVATION_NAMESPACE, RESERVED_GPU_ANNOTATION
 from kai_isolator.shared.pki import CertificateAuthority
 

@@ -24,7 +24,8 @@ from kai_isolator.services.admission.settings import PolicyMode
 from kai_isolator.services.admission.webhook import Webhook
 from kai_isolator.services.devcluster.cluster import GPU_SHARING_CONDITION
 from kai_isolator.services.devcluster.kai import ADMISSION_NAME, CONFIGMAP_ANNOTATION
-from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane, free_port
+from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane
+from kai_isolator.shared.ports import free_port
 from kai.real_kai import TENANT, RealKaiAdmission, dry_run_create, until_in_force
 
 Obj = dict[str, Any]

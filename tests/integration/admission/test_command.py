@@ -18,7 +18,7 @@ import pytest
 
 from kai_isolator.services.admission.dev import component
 from kai_isolator.services.dev import DevContext
-from kai_isolator.shared.embedded_nats import free_port
+from kai_isolator.shared.ports import free_port
 from kai_isolator.shared.settings import BusSettings
 
 CLI = [sys.executable, "-m", "kai_isolator.services.cli"]

@@ -16,7 +16,8 @@ from kai_isolator.services.verifier.settings import VerifierSettings
 from kai_isolator.services.watcher.settings import WatcherSettings
 from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import Runtime
-from kai_isolator.shared.embedded_nats import free_port, server_binary
+from kai_isolator.shared.embedded_nats import server_binary
+from kai_isolator.shared.ports import free_port
 from kai_isolator.shared.errors import BusError
 from kai_isolator.shared.events import InspectReply, InspectRequest, PodIsolation, PodRef
 from kai_isolator.shared.lease import LEASE_BUCKET, Lease

@@ -108,7 +108,7 @@ async def test_embedded_default_starts_and_stops_a_private_server() -> None:
 
 
 async def test_first_connection_fails_clearly_when_nothing_listens() -> None:
-    from kai_isolator.shared.embedded_nats import free_port
+    from kai_isolator.shared.ports import free_port
 
     settings = BusSettings(nats_url=f"nats://127.0.0.1:{free_port()}", nats_connect_timeout_s=0.5)
     runtime = Runtime("svc", settings)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kai_isolator.shared.embedded_nats import EmbeddedNats, free_port
+from kai_isolator.shared.embedded_nats import EmbeddedNats
+from kai_isolator.shared.ports import free_port
 from kai_isolator.shared.events import NodeStatus, decode
 from support import RuntimeFactory, publish_until_stored
 

@@ -48,7 +48,8 @@ from kai_isolator.services.nodeagent.agent import NodeAgent
 from kai_isolator.services.nodeagent.dev import LIBRARY
 from kai_isolator.services.nodeagent.settings import NodeAgentSettings
 from kai_isolator.shared import subjects
-from kai_isolator.shared.embedded_nats import ClusterMember, EmbeddedCluster, free_port
+from kai_isolator.shared.embedded_nats import ClusterMember, EmbeddedCluster
+from kai_isolator.shared.ports import free_port
 from kai_isolator.shared.events import AdmissionDecision, HealthVerdict, PodIsolation, decode
 from kai_isolator.shared.fake_gpu import FakeGpu
 from kai_isolator.shared.operator_view import ISOLATED_CONDITION

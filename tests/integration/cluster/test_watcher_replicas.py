@@ -18,7 +18,8 @@ import pytest
 
 from kai_isolator.services.devcluster.cluster import ApiCallError, DevCluster
 from kai_isolator.shared import subjects
-from kai_isolator.shared.embedded_nats import EmbeddedCluster, free_port
+from kai_isolator.shared.embedded_nats import EmbeddedCluster
+from kai_isolator.shared.ports import free_port
 from kai_isolator.shared.events import PodIsolation
 from support import eventually
 

@@ -14,7 +14,8 @@ import pytest
 import trustme
 import yaml
 
-from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane, free_port
+from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane
+from kai_isolator.shared.ports import free_port
 from control_plane.fixtures import NAMESPACE, make_namespace
 from control_plane.node import kai_admit
 from control_plane.webhook import SECRET, RunningWebhook, run_certs

@@ -17,7 +17,7 @@ import pytest
 from control_plane.fixtures import make_namespace
 from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.services.devcluster.plane import ControlPlane
-from kai_isolator.shared.embedded_nats import free_port
+from kai_isolator.shared.ports import free_port
 from kai_isolator.shared.settings import BusSettings
 from pod_events import PodEvents, pod_events  # noqa: F401  (the fixture)
 from support import eventually
