@@ -68,6 +68,16 @@ def finished_status(pod: Obj, exit_code: int) -> Obj:
     return {"phase": "Succeeded" if exit_code == 0 else "Failed", "containerStatuses": statuses}
 
 
+NODE_GRAPH_LAG = "no relationship found between node"
+"""The Node authorizer's refusal while its graph, fed by its own watch, has not yet seen the pod bound to the node."""
+
+
+def _transient(error: ApiCallError) -> bool:
+    """An answer a later try can change: the server loaded or restarting, or its Node authorizer behind the binding
+    (seen under load: the kubelet's watch delivered the bound pod before the authorizer's graph had it)."""
+    return error.code >= 500 or error.code == 429 or (error.code == 403 and NODE_GRAPH_LAG in str(error.status.get("message", "")))
+
+
 class SimulatedKubelet:
     """One simulated GPU node: Pending -> Running after `step_s`, then Succeeded/Failed by annotation or `finish()`."""
 
@@ -137,14 +147,14 @@ class SimulatedKubelet:
             except ApiCallError as error:
                 if error.code == 404:
                     return None
-                if error.code < 500 and error.code != 429:
+                if not _transient(error):
                     raise  # a refusal, not a hiccup: retrying would only repeat it
                 failure: Exception = error
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
                 failure = error
             if asyncio.get_running_loop().time() + delay > deadline:
                 raise failure
-            log.warning("simulated kubelet %s: %s %s failed, retrying: %s", self.name, method, path, failure)
+            log.info("simulated kubelet %s: %s %s failed, retrying: %s", self.name, method, path, failure)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
 

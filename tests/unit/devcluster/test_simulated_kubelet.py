@@ -63,3 +63,20 @@ async def test_an_api_server_that_never_comes_back_fails_the_step_in_the_end(mon
     with pytest.raises(ApiCallError, match="503"):
         await run_step(api)
     assert 2 <= len(api.calls) < 10
+
+
+async def test_a_node_authorizer_behind_the_binding_is_waited_out() -> None:
+    """The Node authorizer learns of a binding from its own watch: for a moment it refuses the bound node its own pod."""
+    lagging = ApiCallError("GET", "/api/v1/...", 403, {"message": 'pods "job" is forbidden: User "system:node:node-a" cannot get resource '
+                                                       '"pods" in API group "" in the namespace "team-a": node: no relationship found '
+                                                       "between node 'node-a' and this object"})
+    api = FlakyApi(lagging, POD, {})
+    await run_step(api)
+    assert [m for m, _ in api.calls] == ["GET", "GET", "PATCH"]
+
+
+async def test_any_other_forbidden_is_a_refusal() -> None:
+    api = FlakyApi(ApiCallError("GET", "/api/v1/...", 403, {"message": 'pods "job" is forbidden: RBAC: access denied'}))
+    with pytest.raises(ApiCallError, match="403"):
+        await run_step(api)
+    assert len(api.calls) == 1
