@@ -583,6 +583,9 @@ INSUFFICIENT_RESOURCES = 10023
 REPLICAS_NOT_SUPPORTED = 10074
 """... and when a single (non-clustered) server is asked for more than one replica."""
 STREAM_NAME_IN_USE = 10058
+NO_SUITABLE_PEERS = 10005
+"""400 "no suitable peers for placement", followed by why: ", peer offline" names a server the meta leader has not
+heard from lately (one restarting, or one just started that has not yet reported in), which passes."""
 DUPLICATE_IN_PROCESS = 10158
 """409 "duplicate message id is in process": a retry while the first send is still being replicated (a leader
 killed or partitioned mid-proposal); that first send may yet be lost with it, so this is "ask again", not "stored"."""
@@ -620,8 +623,9 @@ async def provision_bucket(js: JetStreamContext, bucket: str, settings: BusSetti
     return await js.key_value(bucket)
 
 
-# Reads and creates retried while JetStream is unavailable or slow (a cluster electing): about 25 s.
+# Reads and creates retried while JetStream is unavailable or slow (a cluster electing, a server rejoining): about 25 s.
 PROVISION_ATTEMPTS = 15
+PROVISION_WAIT_S = sum(min(2.0, 0.25 * 2 ** attempt) for attempt in range(PROVISION_ATTEMPTS))
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig | None, *, what: str, create: Callable[[], Awaitable[Any]],
@@ -633,6 +637,7 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig | None, *, w
     """
     name = stream or (config.name if config else "")
     wanted = replicas if replicas is not None else (config.num_replicas if config else 1)
+    last_refusal: nats.js.errors.APIError | None = None
     for attempt in range(PROVISION_ATTEMPTS):
         try:
             info = await js.stream_info(name)
@@ -643,9 +648,10 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig | None, *, w
             except nats.js.errors.APIError as error:
                 if error.err_code == STREAM_NAME_IN_USE:
                     continue  # another replica created it first: read it and converge
-                if isinstance(error, nats.js.errors.ServiceUnavailableError):
+                if isinstance(error, nats.js.errors.ServiceUnavailableError) or _peer_offline(error):
+                    last_refusal = error
                     await asyncio.sleep(min(2.0, 0.25 * 2 ** attempt))
-                    continue  # JetStream still electing its meta leader
+                    continue  # JetStream still electing its meta leader, or a server not yet (back) in the cluster
                 raise _cannot_hold(what, wanted, error) from None
             except nats.errors.TimeoutError:
                 # A cluster that just formed (or is electing) may not answer in time; the create may
@@ -671,8 +677,18 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig | None, *, w
             await js.update_stream(target)
             return
         except nats.js.errors.APIError as error:
-            raise _cannot_hold(what, wanted, error, current.num_replicas) from None
+            if not _peer_offline(error):
+                raise _cannot_hold(what, wanted, error, current.num_replicas) from None
+            last_refusal = error
+            await asyncio.sleep(min(2.0, 0.25 * 2 ** attempt))
+    if last_refusal is not None and _peer_offline(last_refusal):
+        raise _cannot_hold(what, wanted, last_refusal)
     raise BusError(f"cannot provision {what}: JetStream kept timing out, being unavailable or changing it under us")
+
+
+def _peer_offline(error: nats.js.errors.APIError) -> bool:
+    """A placement refused only because a server is offline now: worth asking again, unlike too few servers."""
+    return error.err_code == NO_SUITABLE_PEERS and "offline" in (error.description or "").lower()
 
 
 def _same_stream_config(current: StreamConfig, wanted: StreamConfig) -> bool:
@@ -683,7 +699,10 @@ def _same_stream_config(current: StreamConfig, wanted: StreamConfig) -> bool:
 def _cannot_hold(what: str, replicas: int, error: nats.js.errors.APIError, current: int | None = None) -> BusError:
     change = f"from {current} to {replicas} replicas" if current is not None else f"with {replicas} replica(s)"
     hint = ""
-    if error.err_code in (INSUFFICIENT_RESOURCES, REPLICAS_NOT_SUPPORTED) or any(w in (error.description or "").lower() for w in ("replicas", "peers")):
+    if _peer_offline(error):
+        hint = (f"; a JetStream server stayed offline for about {PROVISION_WAIT_S:.0f} s and {replicas} replicas need {replicas} "
+                "servers up: bring it back (or lower KAI_ISOLATOR_NATS_REPLICAS)")
+    elif error.err_code in (INSUFFICIENT_RESOURCES, REPLICAS_NOT_SUPPORTED) or any(w in (error.description or "").lower() for w in ("replicas", "peers")):
         hint = (f"; KAI_ISOLATOR_NATS_REPLICAS={replicas} needs a JetStream cluster of at least {replicas} servers "
                 "(set it to 1 on a single server)")
     return BusError(f"cannot provision {what} {change}: {error.description or error}{hint}")

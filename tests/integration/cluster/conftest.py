@@ -84,7 +84,12 @@ def gpu_pod(name: str, node: str = "gpu-node-1") -> dict[str, Any]:
 
 
 async def stream_events(url: str, filter_subject: str) -> list[Any]:
-    """Every event in the stream under `filter_subject`, in stream order (an ephemeral consumer, read to the end).
+    """Every event in the stream under `filter_subject`, in stream order."""
+    return [event for _, event in await stream_records(url, filter_subject)]
+
+
+async def stream_records(url: str, filter_subject: str) -> list[tuple[Any, Any]]:
+    """Every (envelope, event) in the stream under `filter_subject`, in stream order (an ephemeral consumer, read to the end).
 
     Read again from the start when the cluster answers "not now" or does not answer the consumer's creation in
     time (a consumer placed while a restarted server catches up: a loaded run's demo test waited past 5 s).
@@ -97,13 +102,13 @@ async def stream_events(url: str, filter_subject: str) -> list[Any]:
         try:
             psub = await nc.jetstream(timeout=5).pull_subscribe(
                 filter_subject, stream=subjects.STREAM_NAME, config=ConsumerConfig(ack_policy=AckPolicy.ALL))
-            found: list[Any] = []
+            found: list[tuple[Any, Any]] = []
             while True:
                 try:
                     batch = await psub.fetch(1000, timeout=1.5)
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
                     return found
-                found += [decode(m.data)[1] for m in batch]
+                found += [decode(m.data) for m in batch]
                 await batch[-1].ack()  # AckAll: the consumer's 1000 unacked messages would stop it
         except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError) as error:  # the fetch's own timeout ends the read above
             refusal = error
