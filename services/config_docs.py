@@ -49,9 +49,9 @@ these are in [deploy/README.md](../deploy/README.md).
 
 OTHER_ENV: dict[str, str] = {
     "CUDA_HOME": "where `make images` finds `cuda.h` for the node agent image's library build (default `.cuda-headers/nvidia/cu13`)",
-    "DOCKER_HOST": "the Docker engine `make images` and the compose tests use; unset, the system's, else `.ci/dockerd`'s private one",
+    "DOCKER_HOST": "the Docker engine `make images` and the compose tests use; unset, the system's, else `hack/dockerd`'s private one",
     "GOFLAGS": "kept for the builds of the control plane and the real node, which add `-p=2 -trimpath -buildvcs=false -mod=readonly`",
-    "KAI_ISOLATOR_DOCKER_STATE": "where `.ci/dockerd` keeps its engine (default `~/.cache/kai-isolator/docker`)",
+    "KAI_ISOLATOR_DOCKER_STATE": "where `hack/dockerd` keeps its engine (default `~/.cache/kai-isolator/docker`)",
     "KAI_ISOLATOR_KAI_SOURCE": "the KAI-Scheduler source archive `make kai` builds from (default: the one in "
                                "`../shared/third_party/kai-scheduler/` beside the checkout)",
     "KAI_ISOLATOR_KUBE_CACHE": "where the built etcd, kube-apiserver, kubectl, promtool and real-node binaries are cached "

@@ -22,6 +22,23 @@ SHARED_ONCE = {"real_node_session": "real-node", "kai_plane": "kai-plane"}
 """Session fixtures worth starting once per run, not once per pytest-xdist worker: their tests share one worker."""
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fail-on-skip", action="store_true",
+                     help="a skipped test fails, naming what it lacked (make test: it installs all its tests need, so "
+                          "a skip would hide a missing install step)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()  # type: ignore[attr-defined]
+    if report.skipped and not hasattr(report, "wasxfail") and item.config.getoption("fail_on_skip"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = (f"skipped under make test, which installs and starts everything its tests need: {reason}\n"
+                           "install what it names (hack/host-setup lists the Debian packages make test installs)")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (`make test` runs with --dist loadgroup)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:

@@ -2,8 +2,9 @@
 # Smoke test on a GPU-less kind cluster: builds both images, installs kai-resource-isolator
 # (kustomize dev overlay, or the Helm chart with INSTALL=helm) and checks what upstream's
 # hack/e2e/kind-smoke.sh checks, plus our fail-closed and opt-out rules.
-# Needs docker, kind and kubectl (and helm for INSTALL=helm). NOT run in our CI: CI has no Docker
-# engine; `make test` checks the manifests offline instead.
+# Needs docker, kind and kubectl (and helm for INSTALL=helm). NOT run by `make test`: its private Docker engine
+# (no bridge, no iptables rules) cannot network a kind node; it runs this script against recording stand-ins and
+# installs our manifests on its own real node instead.
 #
 #   deploy/e2e/kind-smoke.sh              # create cluster kri-smoke, install, check, keep cluster
 #   KEEP=0 deploy/e2e/kind-smoke.sh       # delete the cluster afterwards (only if this script created it)

@@ -245,6 +245,9 @@ int vgpu_grant_load(struct vgpu_grant *grant) {
     long waited_ns = 0, limit_ns = wait_seconds() * 1000000000L;
     ssize_t n;
     while ((n = read_file(VGPU_GRANT_FILE, buf, sizeof buf)) < 0 && errno == ENOENT && waited_ns < limit_ns) {
+        /* Said once, so an operator (or a test) can see the wait begin rather than infer it from silence. */
+        if (waited_ns == 0)
+            vgpu_log(VGPU_LOG_INFO, "waiting up to %ld s for the grant at %s", limit_ns / 1000000000L, VGPU_GRANT_FILE);
         nanosleep(&(struct timespec){.tv_nsec = POLL_NS}, NULL);
         waited_ns += POLL_NS;
     }

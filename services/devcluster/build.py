@@ -3,8 +3,8 @@ runtime and CNI plugin, from the pinned Go modules in `go/`, once; and the real 
 
 The binaries land in a cache outside the repo (`~/.cache/kai-isolator/kube/<component>-<version>-<digest>/`),
 keyed by the module files, so a second run, or another checkout, reuses them. `python -m kai_isolator.services.devcluster.build`
-builds what is missing and prints the paths (`--real-node` adds the node's programs, `--kai [PROGRAM...]` KAI's);
-`make test` runs it first.
+builds what is missing and prints the paths (`--real-node` adds the node's programs, `--promtool` builds only promtool,
+`--kai [PROGRAM...]` KAI's); `make test` runs it first.
 """
 
 from __future__ import annotations
@@ -463,18 +463,20 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--kai"]:
         return _main_kai(tuple(args[1:]) or KAI_PROGRAMS)
-    if args not in ([], ["--real-node"]):
-        print("usage: python -m kai_isolator.services.devcluster.build [--real-node | --kai [PROGRAM...]]", file=sys.stderr)
+    if args not in ([], ["--real-node"], ["--promtool"]):
+        print("usage: python -m kai_isolator.services.devcluster.build [--real-node | --promtool | --kai [PROGRAM...]]",
+              file=sys.stderr)
         return 2
     started = time.monotonic()
     try:
+        if args == ["--promtool"]:  # only the alert-rule tests run it, so `make run` never waits for it
+            rule_checker = promtool()
+            print(f"promtool ready in {time.monotonic() - started:.1f}s: {PROMTOOL.version} {rule_checker}", flush=True)
+            return 0
         binaries = ensure_all()
         print(f"control plane ready in {time.monotonic() - started:.1f}s: etcd {binaries.etcd_version} {binaries.etcd}, "
               f"kube-apiserver {binaries.kube_version} {binaries.kube_apiserver}, kubectl {binaries.kubectl}", flush=True)
-        started = time.monotonic()
-        rule_checker = promtool()
-        print(f"promtool ready in {time.monotonic() - started:.1f}s: {PROMTOOL.version} {rule_checker}", flush=True)
-        if args:
+        if args == ["--real-node"]:
             started = time.monotonic()
             node = ensure_node()
             print(f"real node ready in {time.monotonic() - started:.1f}s: kubelet {node.kubelet}, containerd {node.containerd_version} "

@@ -13,6 +13,7 @@ import json
 import os
 import shlex
 import shutil
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -40,7 +41,7 @@ class ImageError(RuntimeError):
 
 
 def engine_state() -> Path:
-    """Where `.ci/dockerd` keeps its engine (data root, socket, log); also the compose plugin's DOCKER_CONFIG."""
+    """Where `hack/dockerd` keeps its engine (data root, socket, log); also the compose plugin's DOCKER_CONFIG."""
     explicit = os.environ.get("KAI_ISOLATOR_DOCKER_STATE")
     if explicit:
         return Path(explicit)
@@ -48,7 +49,7 @@ def engine_state() -> Path:
 
 
 def docker_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment docker commands run in: the engine DOCKER_HOST names, else the system's, else `.ci/dockerd`'s."""
+    """The environment docker commands run in: the engine DOCKER_HOST names, else the system's, else `hack/dockerd`'s."""
     env = dict(os.environ if base is None else base)
     private = engine_state() / "docker.sock"
     if "DOCKER_HOST" not in env and not Path("/var/run/docker.sock").exists() and private.exists():
@@ -83,7 +84,7 @@ def engine_answers(env: dict[str, str] | None = None) -> bool:
 def _require_engine() -> None:
     if not engine_answers():
         where = docker_env().get("DOCKER_HOST", "unix:///var/run/docker.sock")
-        raise ImageError(f"no Docker engine answers at {where}: start one (`.ci/dockerd` starts a private one) "
+        raise ImageError(f"no Docker engine answers at {where}: start one (`hack/dockerd` starts a private one) "
                          "or set DOCKER_HOST")
 
 
@@ -240,15 +241,22 @@ def ensure_kube_builder(log: TextIO = sys.stderr) -> str:
     return tag
 
 
+def build_ca_source() -> Path | None:
+    """This machine's CA bundle: the one PIP_CERT or SSL_CERT_FILE names, else OpenSSL's default, else Debian's."""
+    candidates = (os.environ.get("PIP_CERT"), os.environ.get("SSL_CERT_FILE"), ssl.get_default_verify_paths().cafile,
+                  "/etc/ssl/certs/ca-certificates.crt")
+    return next((Path(c) for c in candidates if c and Path(c).is_file()), None)
+
+
 @contextlib.contextmanager
 def build_ca() -> Iterator[None]:
-    """This machine's CA bundle (the one SSL_CERT_FILE/PIP_CERT name) where the Dockerfiles' build stages look,
-    while a build runs; gone afterwards. Nothing is written where no bundle is named."""
-    named = os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE")
-    if not named or not Path(named).is_file():
+    """This machine's CA bundle where the Dockerfiles' build stages look, while a build runs; gone afterwards.
+    Nothing is written where the machine has none."""
+    source = build_ca_source()
+    if source is None:
         yield
         return
-    shutil.copyfile(named, BUILD_CA)
+    shutil.copyfile(source, BUILD_CA)
     try:
         yield
     finally:

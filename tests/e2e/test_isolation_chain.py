@@ -125,6 +125,8 @@ def test_make_run_shows_the_whole_flow_and_leaves_nothing_running() -> None:
     result = run_leaving_nothing(["make", "--no-print-directory", "run"], cwd=REPO, timeout_s=100)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
+    # Its screen is the demo's: no packaging banner, and nothing built that it never runs (promtool is the tests').
+    assert "Please be careful with folders" not in out + result.stderr and "promtool" not in out + result.stderr, out
     for step in (
         "libvgpu.so", "installed on gpu-node-1",
         "default/gpu-sharing-demo: injected into container main",

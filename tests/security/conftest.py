@@ -13,8 +13,6 @@ from kai_isolator.services.demo.kubelet import cgroup_hierarchies
 from kai_isolator.shared.cgroups import CgroupDriver
 from security.container import REPO, SimNode
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="simulated containers need mount namespaces and cgroups (root)")
-
 
 @pytest.fixture(scope="session", autouse=True)
 def hamicore_built() -> None:
@@ -24,9 +22,14 @@ def hamicore_built() -> None:
 
 @pytest.fixture(params=[CgroupDriver.CGROUPFS, CgroupDriver.SYSTEMD], ids=["cgroupfs", "systemd"])
 async def node(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[SimNode]:
-    """A GPU node with our library installed, a private fake-driver ledger, and the kubelet's cgroups."""
-    if os.geteuid() != 0 or not cgroup_hierarchies():
-        pytest.skip("simulated containers need root: mount namespaces and writable cgroup hierarchies")
+    """A GPU node with our library installed, a private fake-driver ledger, and the kubelet's cgroups.
+
+    This skip is the security tests' root requirement (a `pytestmark` in a conftest would be ignored): every
+    test that runs a simulated container asks for this fixture."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: simulated containers need mount namespaces and writable cgroup hierarchies")
+    if not cgroup_hierarchies():
+        pytest.skip("needs a writable cgroup hierarchy under /sys/fs/cgroup for the simulated containers (root has none here)")
     sim = SimNode(tmp_path / "host", tmp_path, request.param)
     try:
         yield sim

@@ -5,7 +5,6 @@ grant closes every device. Each ends blocked against the fake driver's own node-
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -65,8 +64,10 @@ async def test_a_grant_that_never_comes_fails_closed(node: SimNode) -> None:
 
 async def test_a_grant_written_while_the_library_waits_is_obeyed(node: SimNode) -> None:
     container = await node.start(gpu_pod("late-grant"), limit="1g", grant_written=False)
-    waiting = await container.background([str(CUPROBE), "init", "ctx", "0", "alloc", str(512 * MIB), "alloc", str(768 * MIB), *HOLD])
-    await asyncio.sleep(1)  # the first allocation is waiting for the node agent
+    told = {**container.env, "LIBCUDA_LOG_LEVEL": "3"}  # INFO: the library says when it starts waiting for the grant
+    waiting = await container.background([str(CUPROBE), "init", "ctx", "0", "alloc", str(512 * MIB), "alloc", str(768 * MIB), *HOLD], env=told)
+    await waiting.wait_for(f"s for the grant at /etc/kai-isolator/{GRANT_FILE}")
+    assert not any(line.startswith("alloc ") for line in waiting.lines), waiting.lines  # nothing allocated before the grant
     node.write_grant(container.pod, container.name, container.limit)
     assert " rc=0" in await waiting.wait_for(f"alloc {512 * MIB}")
     assert " rc=2" in await waiting.wait_for(f"alloc {768 * MIB}")  # 512 + 768 MiB is past the 1 GiB grant

@@ -260,7 +260,8 @@ async def test_an_init_container_target_gets_the_grant_a_main_container_gets(nod
     assert prep.grant_mounted and "POD_UID" in prep.env
     # The tenant's own limit in the environment: the node's grant decides, as in a main container.
     attempt = await prep.run([str(CUPROBE), "init", "ctx", "0", "alloc", str(4 * GIB)], env={**prep.env, "CUDA_DEVICE_MEMORY_LIMIT": "15g"})
-    assert "alloc rc=2" in attempt.stdout or "rc=2" in attempt.stdout, attempt.stdout
+    # cuprobe reports a refused allocation as "alloc <bytes> rc=2 id=-1" (CUDA_ERROR_OUT_OF_MEMORY, no slot kept).
+    assert f"alloc {4 * GIB} rc=2 id=-1" in attempt.stdout.splitlines(), attempt.stdout
     shipped = Shipped(node, driver_view)
     async with shipped.running():
         kept = await prep.hold(768 * MIB)

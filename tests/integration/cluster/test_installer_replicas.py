@@ -4,8 +4,11 @@ mid-rollout, the other takes over and resumes from KV without redoing finished n
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import sys
+from typing import Any
 
 import pytest
 
@@ -24,6 +27,20 @@ def install_requests(agent) -> float:  # type: ignore[no-untyped-def]
     value = agent.runtime.metrics.registry.get_sample_value(
         "kai_isolator_bus_messages_total", {"handler": subjects.node_install(agent.node), "outcome": "ok"})
     return value or 0.0
+
+
+async def logged(process: asyncio.subprocess.Process, message: str) -> dict[str, Any]:
+    """The first JSON log line on `process`'s stderr whose msg is `message`; fails if the process exits first."""
+    assert process.stderr is not None
+    seen: list[str] = []
+    while raw := await process.stderr.readline():
+        line = raw.decode().strip()
+        seen.append(line)
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict) and record.get("msg") == message:
+                return record
+    raise AssertionError(f"exited ({await process.wait()}) before logging {message!r}: {seen}")
 
 
 @pytest.mark.timeout(240)
@@ -60,16 +77,20 @@ async def test_second_installer_waits_then_resumes_the_killed_holders_rollout(
         if await poll():
             break
         await asyncio.sleep(0.05)
-    second = await asyncio.create_subprocess_exec(*command, env=env, stdout=asyncio.subprocess.PIPE)
-    await asyncio.sleep(0.5)
-    assert second.returncode is None  # waiting on the lease, not driving a second rollout beside the first
+    # The second logs at info, as JSON, so that its "standing by" line (shared/lease.py) proves it waits on the lease.
+    told = {**env, "KAI_ISOLATOR_LOG_LEVEL": "info", "KAI_ISOLATOR_LOG_JSON": "true"}
+    second = await asyncio.create_subprocess_exec(*command, env=told, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    standing_by = await asyncio.wait_for(logged(second, "standing by: lease held by another replica"), 60)
+    # Waiting on the first installer's lease, not driving a second rollout beside it (holder: installer@host:pid:suffix).
+    assert standing_by["lease"] == rollout.LEASE_KEY and f":{first.pid}:" in standing_by["holder"], standing_by
+    assert first.returncode is None
     first.kill()  # SIGKILL the holder mid-rollout
     await first.wait()
     done_by_first = list(await done_so_far())
     assert 1 <= len(done_by_first) < len(NODES)
 
-    out, _ = await asyncio.wait_for(second.communicate(), 120)
-    assert second.returncode == 0, out
+    out, err = await asyncio.wait_for(second.communicate(), 120)
+    assert second.returncode == 0, (out, err)
     state = await rollout.load_state(observer, rollout.default_rollout_id(v2))
     assert state is not None and state.phase == "completed" and sorted(state.done) == NODES
     assert [install.active_version(agents[n].layout) for n in NODES] == [v2] * len(NODES)

@@ -233,6 +233,7 @@ async def test_real_kubectl_finds_the_plugin_and_waits_on_the_condition(cluster:
     pod = await cluster.pod("p")
     await tell(cluster, verdict(pod, "verified"))
     result = await run([kubectl, "isolator", "status", "-o", "json"], env=env)
-    assert result.code == 0, result.err and result.json()["items"][0]["verdict"] == "verified"
+    assert result.code == 0, result.err
+    assert result.json()["items"][0]["verdict"] == "verified", result.out
     waited = await run([kubectl, "wait", "--for=condition=kai-resource-isolator.io/Isolated", "pod/p", "--timeout=20s"], env=env)
     assert waited.code == 0, waited.err

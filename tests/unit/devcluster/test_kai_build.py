@@ -64,5 +64,9 @@ def test_bad_names_and_unknown_programs_say_what_is_wrong(tmp_path: Path) -> Non
         _source(tmp_path / "kai-scheduler-abc1234.tar.gz").packages(("admission", "operator"))
 
 
-def test_usage_names_the_kai_option() -> None:
+def test_usage_names_the_kai_option(capsys: pytest.CaptureFixture[str]) -> None:
     assert build.main(["--bogus"]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == ""
+    [usage] = printed.err.splitlines()
+    assert usage.startswith("usage: python -m kai_isolator.services.devcluster.build ") and "--kai [PROGRAM...]" in usage, usage
