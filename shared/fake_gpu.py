@@ -9,7 +9,16 @@ descriptor passed to or inherited by another process is refused). A connection's
 the real driver's do when its device files close: exit, exec, close) or when its process dies (its pidfd).
 Besides the cuMemAlloc family it models what a real driver spends outside it: a fixed overhead per context,
 cuCtxSetLimit's heap, stack and printf FIFO, module globals, and imports (IPC and shareable handles), all
-charged to the process in NVML's process list. A DEV AND TEST FIXTURE: `python -m kai_isolator.shared.fake_gpu`.
+charged to the process in NVML's process list.
+
+The driver's kind is the node's, chosen when the ledger starts (`--driver-branch`), never by anything a tenant
+sets: 580 (the default) has no per-cgroup memory limits; 615 has NVML 13.4's (nvmlDeviceSetMemoryLimits_v1 /
+GetMemoryLimits_v1), which the ledger enforces as the R615 driver does: it charges each allocation to the cgroup
+v2 the allocating process is in at that moment (read from the kernel, /proc/<pid>/cgroup), refuses one that would
+take a limited cgroup past its hard limit (CUDA_ERROR_OUT_OF_MEMORY, nothing killed), and shows the device to a
+process in that cgroup capped to the limit (cuMemGetInfo, nvmlDeviceGetMemoryInfo_v2). A limit applies to the
+processes of exactly the cgroup it is set on (the container's leaf; NVIDIA measured a parent's limit not to show).
+A DEV AND TEST FIXTURE: `python -m kai_isolator.shared.fake_gpu`.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import argparse
 import contextlib
 import errno
 import os
+import re
 import resource
 import secrets
 import select
@@ -25,6 +35,7 @@ import selectors
 import shutil
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -60,9 +71,29 @@ SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5; os.pidfd_open w
 
 CUDA_SUCCESS, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY = 0, 1, 2
 CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_INVALID_HANDLE, CUDA_ERROR_NOT_PERMITTED = 101, 400, 800
+# nvml.h's codes, the status of the two limit operations.
+NVML_SUCCESS, NVML_ERROR_INVALID_ARGUMENT, NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_NO_PERMISSION = 0, 2, 3, 4
+NVML_ERROR_NOT_FOUND, NVML_ERROR_OPERATING_SYSTEM = 6, 17
+MEMORY_LIMIT_MAX = 2**64 - 1  # NVML_DEVICE_MEMORY_LIMIT_MAX: no hard limit
 
 OP_HELLO, OP_ALLOC, OP_FREE, OP_STATS, OP_PROCESSES, OP_CONTEXT, OP_LIMIT, OP_MODULE = range(1, 9)
 OP_EXPORT, OP_IMPORT_TOKEN, OP_IMPORT_FD = 9, 10, 11
+OP_MEMINFO, OP_SET_LIMITS, OP_GET_LIMITS = 12, 13, 14
+ALLOC_MANAGED = 1  # FAKE_ALLOC_MANAGED: cuMemAllocManaged, which no cgroup's limit caps on the device
+
+
+@dataclass(frozen=True, slots=True)
+class DriverBranch:
+    """A kind of real driver the fake can be: its version, the CUDA version it supports, and whether it has NVML
+    13.4's per-cgroup memory limits."""
+
+    version: tuple[int, int, int]
+    cuda: int
+    memory_limits: bool
+
+
+BRANCHES = {580: DriverBranch((580, 65, 6), 13000, False), 615: DriverBranch((615, 71, 9), 13040, True)}
+DEFAULT_BRANCH = 580  # what every node was before R615: nothing that predates the option changes
 
 MEMORY, RESERVED, IMPORTED = "memory", "reserved", "imported"
 """Kinds of charge: the cuMemAlloc family (a device's `used`), what the driver spends outside it (its
@@ -84,11 +115,97 @@ class FakeGpuError(RuntimeError):
     """The ledger did not start, or answered a query with an error."""
 
 
+CgroupId = tuple[int, int]
+"""A cgroup v2 directory's (st_dev, st_ino): the kernel's name for it, which a cgroup made again at the same path
+does not share (its inode is the cgroup's 64-bit id, never reused), so a removed cgroup's limit dies with it."""
+
+
+def _unescape(field: str) -> str:
+    """A path as /proc/self/mountinfo writes it, with spaces and the like as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+class Cgroups:
+    """The node's cgroup v2 hierarchy as the kernel shows it to the ledger: where it is mounted (the ledger's
+    mountinfo; /sys/fs/cgroup on a v2 host, /sys/fs/cgroup/unified beside v1), which cgroup a process is in now
+    (the `0::` line of /proc/<pid>/cgroup) and the identity of a directory a caller opened."""
+
+    def __init__(self) -> None:
+        self.mounts: list[tuple[str, str]] = []  # (root inside the hierarchy, mount point)
+        self.devices: set[int] = set()
+        self.refresh()
+
+    def refresh(self) -> None:
+        mounts, devices = [], set()
+        with contextlib.suppress(OSError):
+            for line in Path("/proc/self/mountinfo").read_text().splitlines():
+                fields = line.split()
+                tail = fields.index("-")
+                if fields[tail + 1] == "cgroup2":
+                    major, minor = fields[2].split(":")
+                    devices.add(os.makedev(int(major), int(minor)))
+                    mounts.append((_unescape(fields[3]), _unescape(fields[4])))
+        self.mounts, self.devices = mounts, devices
+
+    def named_by(self, fd: int) -> tuple[str, CgroupId] | None:
+        """The cgroup v2 directory an open descriptor names, and its path; None for anything else (a v1
+        hierarchy's directory, a file, a directory elsewhere)."""
+        st = os.fstat(fd)
+        if st.st_dev not in self.devices:
+            self.refresh()  # mounted since the ledger looked
+        if not stat.S_ISDIR(st.st_mode) or st.st_dev not in self.devices:
+            return None
+        return os.readlink(f"/proc/self/fd/{fd}"), (st.st_dev, st.st_ino)
+
+    def of_process(self, pid: int) -> CgroupId | None:
+        """The cgroup v2 `pid` is in now, as the kernel says; None when it cannot say (the process is gone, or no
+        v2 hierarchy is mounted where the ledger can see it)."""
+        try:  # at every charge: os.read is a third of what Path.read_text costs
+            fd = os.open(f"/proc/{pid}/cgroup", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                text = os.read(fd, 1 << 16).decode(errors="surrogateescape")
+            finally:
+                os.close(fd)
+        except OSError:
+            return None
+        inside = next((line[3:] for line in text.splitlines() if line.startswith("0::")), None)
+        if inside is None:
+            return None
+        for root, point in self.mounts:
+            if root == "/" or inside == root or inside.startswith(root + "/"):
+                try:
+                    st = os.stat(point + inside[len(root.rstrip("/")):])
+                except OSError:
+                    continue
+                if st.st_dev in self.devices:
+                    return st.st_dev, st.st_ino
+        return None
+
+    @staticmethod
+    def alive(path: str, cgroup: CgroupId) -> bool:
+        """Whether the cgroup still exists: its path still names the same directory."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == cgroup
+
+
+@dataclass(slots=True)
+class MemoryLimit:
+    """A cgroup's limits on one device, as nvmlDeviceSetMemoryLimits_v1 set them."""
+
+    path: str  # the cgroup's directory as the ledger found it, to see when it is removed
+    soft: int
+    hard: int
+
+
 @dataclass(slots=True)
 class Charge:
     dev: int
     bytes: int
     kind: str
+    cgroup: CgroupId | None = None  # the cgroup it counts against (R615), the one its process was in when charged
 
 
 @dataclass(slots=True)
@@ -98,6 +215,7 @@ class Connection:
     sock: socket.socket
     pid: int
     pidfd: int
+    uid: int  # effective uid when it connected, in the ledger's user namespace (a container's root is not 0)
     charges: dict[int, Charge] = field(default_factory=dict)
     limits: dict[tuple[int, int], int] = field(default_factory=dict)  # (dev, CUlimit) -> handle
 
@@ -121,12 +239,18 @@ def limit_footprint(limit: int, value: int) -> int:
 class Ledger:
     """The books and the socket that keeps them; one thread, one request at a time (run() until stop())."""
 
-    def __init__(self, path: Path, devices: int, total_bytes: int) -> None:
+    def __init__(self, path: Path, devices: int, total_bytes: int, branch: int = DEFAULT_BRANCH) -> None:
         if not 1 <= devices <= 16 or total_bytes <= 0:
             raise FakeGpuError(f"a fake GPU needs 1..16 devices and a positive size, not {devices} x {total_bytes}")
+        if branch not in BRANCHES:
+            raise FakeGpuError(f"the fake driver is branch {' or '.join(map(str, BRANCHES))}, not {branch}")
         self.path = path
         self.count = devices
         self.total = total_bytes
+        self.branch = BRANCHES[branch]
+        self.cgroups = Cgroups() if self.branch.memory_limits else None
+        self.limits: dict[tuple[int, CgroupId], MemoryLimit] = {}  # (device, cgroup) -> its limits
+        self.cgroup_used: dict[tuple[int, CgroupId], int] = {}  # (device, cgroup) -> bytes charged against it
         self.devices = [Device() for _ in range(SLOTS)]
         self.connections: dict[int, Connection] = {}  # by socket fd
         self.exports: dict[bytes, tuple[Connection, int]] = {}  # token -> (owner, handle)
@@ -157,7 +281,7 @@ class Ledger:
             print(f"fake_gpu: cannot accept a process: {error}", file=sys.stderr, flush=True)
             time.sleep(0.05)
             return
-        pid, _, _ = UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size))
+        pid, uid, _ = UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size))
         try:
             pidfd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
         except OSError:
@@ -168,7 +292,7 @@ class Ledger:
                 return
         os.set_inheritable(pidfd, False)
         sock.setblocking(False)
-        conn = Connection(sock, pid, pidfd)
+        conn = Connection(sock, pid, pidfd, uid)
         self.connections[sock.fileno()] = conn
         self.selector.register(sock, selectors.EVENT_READ, conn)
         self.selector.register(pidfd, selectors.EVENT_READ, ("died", conn))
@@ -204,11 +328,31 @@ class Ledger:
 
     # --- charges ------------------------------------------------------------------------------------
 
-    def _charge(self, conn: Connection, dev: int, nbytes: int, kind: str) -> int | None:
+    def _fits(self, dev: int, nbytes: int, cgroup: CgroupId | None) -> bool:
+        """Room on the device, and within the hard limit of the cgroup the bytes would count against."""
         device = self.devices[dev]
-        if kind != IMPORTED:
-            if nbytes > self.total - device.used - device.reserved:
-                return None
+        if nbytes > self.total - device.used - device.reserved:
+            return False
+        limit = self.limits.get((dev, cgroup)) if cgroup is not None else None
+        return limit is None or nbytes <= limit.hard - self.cgroup_used.get((dev, cgroup), 0)  # type: ignore[arg-type]
+
+    def _cgroup_of(self, conn: Connection, dev: int) -> CgroupId | None:
+        """The cgroup whose account device memory on `dev` goes to: the process's now (R615; None before)."""
+        return self.cgroups.of_process(conn.pid) if self.cgroups is not None and dev != HOST_SLOT else None
+
+    def _charge(self, conn: Connection, dev: int, nbytes: int, kind: str, managed: bool = False) -> int | None:
+        device = self.devices[dev]
+        cgroup = None
+        if kind != IMPORTED:  # an import takes no new device memory: the exporter's cgroup holds it
+            cgroup = None if managed else self._cgroup_of(conn, dev)
+            if not self._fits(dev, nbytes, cgroup):
+                # Memory of a process that died may still be on the books, its pidfd not yet read: the real driver
+                # tears it down before it answers, so look again without it before refusing.
+                self._sweep()
+                if self.connections.get(conn.sock.fileno()) is not conn or not self._fits(dev, nbytes, cgroup):
+                    return None
+            if cgroup is not None:
+                self.cgroup_used[(dev, cgroup)] = self.cgroup_used.get((dev, cgroup), 0) + nbytes
             if kind == MEMORY:
                 device.used += nbytes
                 device.allocs += 1
@@ -217,7 +361,7 @@ class Ledger:
                 device.reserved += nbytes
         handle = self.next_handle
         self.next_handle += 1
-        conn.charges[handle] = Charge(dev, nbytes, kind)
+        conn.charges[handle] = Charge(dev, nbytes, kind, cgroup)
         return handle
 
     def _release(self, conn: Connection, handle: int) -> bool:
@@ -225,6 +369,11 @@ class Ledger:
         if charge is None:
             return False
         device = self.devices[charge.dev]
+        if charge.cgroup is not None:
+            key = (charge.dev, charge.cgroup)
+            self.cgroup_used[key] -= charge.bytes
+            if not self.cgroup_used[key]:
+                del self.cgroup_used[key]
         if charge.kind == MEMORY:
             device.used -= charge.bytes
             device.frees += 1
@@ -260,14 +409,16 @@ class Ledger:
             return REPLY.pack(status, count, *(list(values) + [0] * 5)[:5])
 
         if op == OP_HELLO:
-            return reply(CUDA_SUCCESS, self.count, self.total), []
+            major, minor, patch = self.branch.version
+            return reply(CUDA_SUCCESS, self.count, self.total, major, minor << 16 | patch, self.branch.cuda), []
         if op in (OP_ALLOC, OP_CONTEXT, OP_MODULE):
             if not self._device(dev, host_ok=op == OP_ALLOC):
                 return reply(CUDA_ERROR_INVALID_DEVICE), []
             nbytes = {OP_ALLOC: a, OP_CONTEXT: FAKE_CONTEXT_OVERHEAD_BYTES, OP_MODULE: a}[op]
-            if op == OP_ALLOC and nbytes == 0:
+            if op == OP_ALLOC and (nbytes == 0 or b & ~ALLOC_MANAGED):
                 return reply(CUDA_ERROR_INVALID_VALUE), []
-            handle = self._charge(conn, dev, nbytes, MEMORY if op == OP_ALLOC else RESERVED)
+            managed = op == OP_ALLOC and b & ALLOC_MANAGED != 0
+            handle = self._charge(conn, dev, nbytes, MEMORY if op == OP_ALLOC else RESERVED, managed)
             return (reply(CUDA_ERROR_OUT_OF_MEMORY) if handle is None else reply(CUDA_SUCCESS, handle)), []
         if op == OP_FREE:
             return reply(CUDA_SUCCESS if self._release(conn, a) else CUDA_ERROR_INVALID_HANDLE), []
@@ -294,6 +445,16 @@ class Ledger:
             self._sweep()
             d = self.devices[dev]
             return reply(CUDA_SUCCESS, d.used, d.peak, d.allocs, d.frees, d.reserved), []
+        if op == OP_MEMINFO:
+            if not self._device(dev):
+                return reply(CUDA_ERROR_INVALID_DEVICE), []
+            self._sweep()
+            return reply(CUDA_SUCCESS, *self.memory_view(conn, dev)), []
+        if op == OP_SET_LIMITS:
+            return reply(self._set_limits(conn, dev, a, b, fds[0] if fds else None)), []
+        if op == OP_GET_LIMITS:
+            status, values = self._get_limits(dev, fds[0] if fds else None)
+            return reply(status, *values), []
         if op == OP_PROCESSES:
             if not self._device(dev):
                 return reply(CUDA_ERROR_INVALID_DEVICE), []
@@ -324,6 +485,64 @@ class Ledger:
             assert handle is not None  # an import takes no new device memory
             return reply(CUDA_SUCCESS, handle, exported.bytes, exported.dev), []
         return reply(CUDA_ERROR_INVALID_VALUE), []
+
+    # --- per-cgroup limits (R615) ------------------------------------------------------------------
+
+    def memory_view(self, conn: Connection, dev: int) -> tuple[int, int, int]:
+        """(total, free, used) of `dev` as the caller sees it: inside a cgroup with a hard limit there, capped to
+        the limit (free never above what the device really has free, never below 0); elsewhere, the device."""
+        device = self.devices[dev]
+        free = self.total - device.used - device.reserved
+        cgroup = self._cgroup_of(conn, dev)
+        limit = self.limits.get((dev, cgroup)) if cgroup is not None else None
+        if limit is None or limit.hard == MEMORY_LIMIT_MAX:
+            return self.total, free, device.used + device.reserved
+        held = self.cgroup_used.get((dev, cgroup), 0)  # type: ignore[arg-type]
+        return limit.hard, max(0, min(limit.hard - held, free)), held
+
+    def _named_cgroup(self, fd: int | None) -> tuple[str, CgroupId] | None:
+        """The cgroup a limit request names by its open directory, having first forgotten the limits of every
+        cgroup removed since (removing a cgroup clears its limits)."""
+        assert self.cgroups is not None
+        self.limits = {key: limit for key, limit in self.limits.items() if self.cgroups.alive(limit.path, key[1])}
+        return self.cgroups.named_by(fd) if fd is not None else None
+
+    def _set_limits(self, conn: Connection, dev: int, soft: int, hard: int, fd: int | None) -> int:
+        """nvmlDeviceSetMemoryLimits_v1 as the driver checks it, in this order: a driver that has it, a device,
+        root, a cgroup v2 directory, then the values (soft <= hard, neither past the device unless hard is MAX).
+        Soft 0 with hard MAX clears the cgroup's limits."""
+        if self.cgroups is None:
+            return NVML_ERROR_NOT_SUPPORTED
+        if not self._device(dev):
+            return NVML_ERROR_INVALID_ARGUMENT
+        if conn.uid != 0:
+            return NVML_ERROR_NO_PERMISSION
+        named = self._named_cgroup(fd)
+        if named is None:
+            return NVML_ERROR_OPERATING_SYSTEM
+        if soft > hard or soft > self.total or (hard != MEMORY_LIMIT_MAX and hard > self.total):
+            return NVML_ERROR_INVALID_ARGUMENT
+        path, cgroup = named
+        if soft == 0 and hard == MEMORY_LIMIT_MAX:
+            self.limits.pop((dev, cgroup), None)
+        else:
+            self.limits[(dev, cgroup)] = MemoryLimit(path, soft, hard)
+        return NVML_SUCCESS
+
+    def _get_limits(self, dev: int, fd: int | None) -> tuple[int, tuple[int, ...]]:
+        """nvmlDeviceGetMemoryLimits_v1: (status, (soft, hard, current use)); any uid may ask."""
+        if self.cgroups is None:
+            return NVML_ERROR_NOT_SUPPORTED, ()
+        if not self._device(dev):
+            return NVML_ERROR_INVALID_ARGUMENT, ()
+        named = self._named_cgroup(fd)
+        if named is None:
+            return NVML_ERROR_OPERATING_SYSTEM, ()
+        limit = self.limits.get((dev, named[1]))
+        if limit is None:
+            return NVML_ERROR_NOT_FOUND, ()
+        self._sweep()  # what the dead held is not in use
+        return NVML_SUCCESS, (limit.soft, limit.hard, self.cgroup_used.get((dev, named[1]), 0))
 
     def _token_of(self, fd: int) -> bytes | None:
         """The export an fd names: by the identity of the file the ledger made, which no process can forge."""
@@ -366,6 +585,8 @@ class Ledger:
         finally:
             for fd in fds:
                 os.close(fd)
+        if self.connections.get(conn.sock.fileno()) is not conn:
+            return  # its process died while the ledger answered (a sweep dropped it): nobody to tell
         try:
             conn.sock.sendmsg([answer], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"<{len(out)}i", *out))] if out else [])
         except OSError as error:
@@ -402,11 +623,13 @@ class FakeGpu:
     """A fake GPU for one node: a driver folder with copies of the fake libraries and the ledger process
     serving `fake-gpu.sock` beside them. Point LD_LIBRARY_PATH (or the NVML path) at `folder`."""
 
-    def __init__(self, folder: Path, devices: int = 1, total_mib: int = 15360, build: Path = DEFAULT_BUILD) -> None:
+    def __init__(self, folder: Path, devices: int = 1, total_mib: int = 15360, build: Path = DEFAULT_BUILD,
+                 driver_branch: int = DEFAULT_BRANCH) -> None:
         self.folder = folder
         self.devices = devices
         self.total_mib = total_mib
         self.build = build
+        self.driver_branch = driver_branch
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -431,7 +654,7 @@ class FakeGpu:
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "kai_isolator.shared.fake_gpu", f"--socket={self.socket}",
-                f"--devices={self.devices}", f"--total-mib={self.total_mib}"]
+                f"--devices={self.devices}", f"--total-mib={self.total_mib}", f"--driver-branch={self.driver_branch}"]
 
     def start(self, timeout_s: float = 15.0) -> FakeGpu:
         self.install()
@@ -499,12 +722,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", type=Path, required=True, help=f"where to listen: {SOCKET_NAME} next to the fake libraries")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--total-mib", type=int, default=15360)
+    parser.add_argument("--driver-branch", type=int, default=DEFAULT_BRANCH,
+                        help="the real driver the fake is: 580 (no per-cgroup memory limits) or 615 (NVML 13.4's)")
     args = parser.parse_args(argv)
     # Two descriptors per process (its link and its pidfd): a node of a thousand GPU processes needs more than 1024.
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     try:
-        ledger = Ledger(args.socket, args.devices, args.total_mib * MIB)
+        ledger = Ledger(args.socket, args.devices, args.total_mib * MIB, args.driver_branch)
     except (FakeGpuError, OSError) as error:
         print(f"fake_gpu: {error}", file=sys.stderr)
         return 2

@@ -91,6 +91,7 @@ static int device_by_uuid_prefix(const char *token, size_t len) {
  * process's own (the counters above), for tests of one process. */
 static int ledger_fd = -1;     /* this process's connection; -1 before it is made (or after a fork) */
 static int ledger_mode;        /* 0 in-process, 1 node ledger, -1 a ledger that does not answer */
+static int ledger_cuda;        /* the CUDA version the node's driver supports; 0: CUDA_VERSION (in-process) */
 static pthread_mutex_t ledger_mutex = PTHREAD_MUTEX_INITIALIZER;
 
 static int ledger_connected(void) {
@@ -132,6 +133,7 @@ static void attach_ledger(void) {
     if (ledger_ask(FAKE_OP_HELLO, 0, 0, 0, &r, -1, NULL) != CUDA_SUCCESS || r.v[0] < 1 || r.v[0] > MAX_DEVICES) return;
     device_count = (int)r.v[0];
     device_total = r.v[1];
+    ledger_cuda = (int)r.v[4]; /* the node's driver branch decides it (13.0 on R580, 13.4 on R615) */
     ledger_mode = 1;
     pthread_atfork(NULL, NULL, forget_after_fork);
 }
@@ -144,11 +146,26 @@ static int ledger_stats(int dev, uint64_t v[5]) {
     return 0;
 }
 
-/* What is taken on `dev`, allocations and the driver's own reservations together (cuMemGetInfo). */
-static unsigned long long used_now(int dev) {
-    uint64_t v[5];
-    if (ledger_mode == 1) return ledger_stats(dev, v) == 0 ? v[0] + v[4] : device_total;
-    return atomic_load(&devices[dev].used);
+/* cuMemGetInfo's figures for `dev`: the node ledger's view for this process (on R615, capped to the hard
+ * limit of the cgroup it is in), or this process's own books in-process. */
+static CUresult memory_view(int dev, size_t *free_bytes, size_t *total_bytes) {
+    if (ledger_mode != 1) {
+        *total_bytes = device_total;
+        *free_bytes = device_total - atomic_load(&devices[dev].used);
+        return CUDA_SUCCESS;
+    }
+    fake_ledger_reply r = {0};
+    CUresult rc = ledger_ask(FAKE_OP_MEMINFO, dev, 0, 0, &r, -1, NULL);
+    if (rc == CUDA_ERROR_INVALID_VALUE) { /* a ledger older than the operation: the whole device */
+        uint64_t v[5];
+        *total_bytes = device_total;
+        *free_bytes = ledger_stats(dev, v) == 0 ? device_total - (v[0] + v[4]) : 0;
+        return CUDA_SUCCESS;
+    }
+    if (rc != CUDA_SUCCESS) return rc;
+    *total_bytes = r.v[0];
+    *free_bytes = r.v[1];
+    return CUDA_SUCCESS;
 }
 
 /* ---- contexts: each charges the node ledger's per-context overhead while it lives ---- */
@@ -256,12 +273,13 @@ static CUresult remember(int dev, uint64_t bytes, uint64_t key, uint64_t ticket,
     return CUDA_SUCCESS;
 }
 
-static CUresult charge(int dev, uint64_t bytes, uint64_t key) {
+/* `flags`: FAKE_ALLOC_* (managed memory counts on the device, but against no cgroup's limit). */
+static CUresult charge(int dev, uint64_t bytes, uint64_t key, uint64_t flags) {
     struct device *d = &devices[dev];
     uint64_t ticket = 0;
     if (ledger_mode == 1) {
         CUresult rc;
-        ticket = ledger_charge(FAKE_OP_ALLOC, dev, bytes, 0, &rc);
+        ticket = ledger_charge(FAKE_OP_ALLOC, dev, bytes, flags, &rc);
         if (rc != CUDA_SUCCESS) return rc == CUDA_ERROR_UNKNOWN ? CUDA_ERROR_UNKNOWN : CUDA_ERROR_OUT_OF_MEMORY;
     } else if (ledger_mode < 0) {
         return CUDA_ERROR_NO_DEVICE;
@@ -326,16 +344,18 @@ static CUresult current_device(int *dev) {
     return CUDA_SUCCESS;
 }
 
-static CUresult alloc_on_current(CUdeviceptr *dptr, size_t bytes) {
+static CUresult alloc_flagged(CUdeviceptr *dptr, size_t bytes, uint64_t flags) {
     int dev;
     CUresult rc = current_device(&dev);
     if (rc != CUDA_SUCCESS) return rc;
     if (!dptr || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
     uint64_t address = new_address(bytes);
-    rc = charge(dev, bytes, address);
+    rc = charge(dev, bytes, address, flags);
     if (rc == CUDA_SUCCESS) *dptr = (CUdeviceptr)address;
     return rc;
 }
+
+static CUresult alloc_on_current(CUdeviceptr *dptr, size_t bytes) { return alloc_flagged(dptr, bytes, 0); }
 
 /* ---- device and context ---- */
 
@@ -347,7 +367,8 @@ EXPORT CUresult cuInit(unsigned int flags) {
 
 EXPORT CUresult cuDriverGetVersion(int *version) {
     if (!version) return CUDA_ERROR_INVALID_VALUE;
-    *version = CUDA_VERSION;
+    config();
+    *version = ledger_cuda ? ledger_cuda : CUDA_VERSION;
     return CUDA_SUCCESS;
 }
 
@@ -694,9 +715,7 @@ EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes) {
     CUresult rc = current_device(&dev);
     if (rc != CUDA_SUCCESS) return rc;
     if (!free_bytes || !total_bytes) return CUDA_ERROR_INVALID_VALUE;
-    *total_bytes = device_total;
-    *free_bytes = device_total - used_now(dev);
-    return CUDA_SUCCESS;
+    return memory_view(dev, free_bytes, total_bytes);
 }
 
 /* ---- allocation ---- */
@@ -709,16 +728,18 @@ CUresult fake_cuMemAlloc_v1(unsigned int *dptr, unsigned int bytesize) {
     if (rc != CUDA_SUCCESS) return rc;
     if (!dptr || bytesize == 0) return CUDA_ERROR_INVALID_VALUE;
     uint32_t address = atomic_fetch_add(&next_address_v1, (bytesize + 511u) & ~511u);
-    rc = charge(dev, bytesize, address);
+    rc = charge(dev, bytesize, address, 0);
     if (rc == CUDA_SUCCESS) *dptr = address;
     return rc;
 }
 
 EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) { return dptr ? release(dptr) : CUDA_SUCCESS; }
 
+/* Charged to the device like any allocation, but, as on R615, against no cgroup's limit: NVIDIA tracks managed memory in
+ * system memory only, so a capped cgroup's cuMemAllocManaged neither fails at its limit nor counts toward it. */
 EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
     (void)flags;
-    return alloc_on_current(dptr, bytesize);
+    return alloc_flagged(dptr, bytesize, FAKE_ALLOC_MANAGED);
 }
 
 EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
@@ -764,7 +785,7 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, c
     int dev = prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE ? physical(prop->location.id) : HOST_SLOT;
     if (dev < 0) return CUDA_ERROR_INVALID_DEVICE;
     uint64_t key = new_address(size);
-    CUresult rc = charge(dev, size, key);
+    CUresult rc = charge(dev, size, key, 0);
     if (rc == CUDA_SUCCESS) *handle = key;
     return rc;
 }
@@ -794,7 +815,7 @@ static CUresult create_array(void **handle, uint64_t bytes) {
     if (rc != CUDA_SUCCESS) return rc;
     if (!handle) return CUDA_ERROR_INVALID_VALUE;
     uint64_t key = new_address(bytes);
-    rc = charge(dev, bytes, key);
+    rc = charge(dev, bytes, key, 0);
     if (rc == CUDA_SUCCESS) *handle = (void *)(uintptr_t)key;
     return rc;
 }

@@ -14,8 +14,10 @@
 #define FAKE_LEDGER_SLOTS 17 /* 16 devices, then host VMM memory */
 
 enum fake_ledger_op {
-    FAKE_OP_HELLO = 1,        /* -> v[0] device count, v[1] bytes per device */
-    FAKE_OP_ALLOC = 2,        /* dev, a=bytes -> v[0] handle (cuMemAlloc and the rest of its family) */
+    FAKE_OP_HELLO = 1,        /* -> v[0] device count, v[1] bytes per device, v[2] driver branch (580, 615; 0 from a
+                                 ledger older than the branch), v[3] minor << 16 | patch of its version, v[4] the
+                                 CUDA version it supports (13000, 13040) */
+    FAKE_OP_ALLOC = 2,        /* dev, a=bytes, b=FAKE_ALLOC_* flags -> v[0] handle (cuMemAlloc and its family) */
     FAKE_OP_FREE = 3,         /* a=handle (any kind, the caller's own only) */
     FAKE_OP_STATS = 4,        /* dev -> v[0] used, v[1] peak, v[2] allocs, v[3] frees, v[4] reserved */
     FAKE_OP_PROCESSES = 5,    /* dev -> fake_ledger_procs_reply: each process, all it is charged */
@@ -25,7 +27,18 @@ enum fake_ledger_op {
     FAKE_OP_EXPORT = 9,       /* a=handle -> v[0], v[1] token; one fd (SCM_RIGHTS) naming the export */
     FAKE_OP_IMPORT_TOKEN = 10, /* a, b = token -> v[0] handle, v[1] bytes, v[2] device */
     FAKE_OP_IMPORT_FD = 11,   /* the export's fd (SCM_RIGHTS) -> v[0] handle, v[1] bytes, v[2] device */
+    FAKE_OP_MEMINFO = 12,     /* dev -> v[0] total, v[1] free, v[2] used: the device as the caller's cgroup sees it
+                                 (capped to that cgroup's hard limit on an R615 node) */
+    /* NVML 13.4's per-cgroup limits; the cgroup is named by an open directory fd (SCM_RIGHTS, none when the
+     * caller could not open the path), so the ledger judges the kernel's object, not a string. `status` is
+     * an nvmlReturn_t for these two. */
+    FAKE_OP_SET_LIMITS = 13,  /* dev, a=soft, b=hard + the cgroup's fd */
+    FAKE_OP_GET_LIMITS = 14,  /* dev + the cgroup's fd -> v[0] soft, v[1] hard, v[2] current use */
 };
+
+/* FAKE_OP_ALLOC's flags. Managed memory lives in system memory as far as a cgroup's limit goes (NVIDIA:
+ * cudaMallocManaged is not capped on the device), so the flag grants nothing cuMemAllocManaged does not. */
+#define FAKE_ALLOC_MANAGED 1u
 
 typedef struct {
     uint32_t op;
@@ -34,7 +47,7 @@ typedef struct {
 } fake_ledger_request;
 
 typedef struct {
-    int32_t status; /* a CUresult: 0, CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_INVALID_VALUE, ... */
+    int32_t status; /* a CUresult: 0, CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_INVALID_VALUE, ... (limits: nvmlReturn_t) */
     uint32_t count; /* FAKE_OP_PROCESSES: records that follow */
     uint64_t v[5];
 } fake_ledger_reply;

@@ -2,10 +2,14 @@
  * fake-gpu ledger beside this library (fake_ledger.h), the card, the device-wide used memory and the
  * per-process queries (nvmlDevice{Compute,Graphics}RunningProcesses[_v2|_v3]) answer from it, by host
  * PID, as the real driver does; without one, the card is FAKE_CUDA_DEVICES x FAKE_CUDA_TOTAL_MIB, used
- * memory is this process's own fake driver's count, and there is no process list. */
+ * memory is this process's own fake driver's count, and there is no process list.
+ * The node's driver branch (the ledger's, fixed when it starts) decides the versions reported and whether
+ * NVML 13.4's per-cgroup memory limits exist: R580 (and a GPU without a ledger) answer them
+ * NVML_ERROR_NOT_SUPPORTED; R615 sets and reads them in the ledger, which enforces them. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +41,11 @@ static unsigned long long env_ull(const char *name, unsigned long long fallback,
 
 static unsigned long long card_total;
 
+/* The node driver's version (from the ledger; R580's without one) and whether it has per-cgroup limits. */
+static unsigned int driver_major = 580, driver_minor = 65, driver_patch = 6;
+static int driver_cuda = 13000;
+#define MEMORY_LIMITS_BRANCH 615
+
 static unsigned long long total_bytes(void) { return card_total; }
 
 static int ledger_device_used(unsigned int index, unsigned long long *used);
@@ -57,6 +66,7 @@ static unsigned long long used_bytes(unsigned int index) {
 }
 
 static int ledger_card(unsigned int *count, unsigned long long *total);
+static int ledger_memory_view(unsigned int index, nvmlMemory_v2_t *memory);
 
 /* The card: the node ledger's when one sits beside this library (the environment cannot enlarge it),
  * else FAKE_CUDA_DEVICES x FAKE_CUDA_TOTAL_MIB as the in-process fake driver reads them. */
@@ -78,9 +88,12 @@ EXPORT const char *nvmlErrorString(nvmlReturn_t result) {
     case NVML_SUCCESS: return "Success";
     case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
     case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_NO_PERMISSION: return "Insufficient Permissions";
     case NVML_ERROR_NOT_FOUND: return "Not Found";
     case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
     case NVML_ERROR_FUNCTION_NOT_FOUND: return "Function Not Found";
+    case NVML_ERROR_OPERATING_SYSTEM: return "Operating System Error";
     default: return "Unknown Error";
     }
 }
@@ -136,9 +149,12 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *m
     return NVML_SUCCESS;
 }
 
+/* R615 changed _v2 (not the original) to account for the caller's cgroup: the ledger's view for this
+ * process, capped to its cgroup's hard limit there. */
 EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
     if (!valid(device) || !memory) return NVML_ERROR_INVALID_ARGUMENT;
     if (memory->version != NVML_MEMORY_V2) return NVML_ERROR_INVALID_ARGUMENT;
+    if (ledger_memory_view(device->index, memory) == 0) return NVML_SUCCESS;
     memory->total = total_bytes();
     memory->reserved = 0;
     memory->used = used_bytes(device->index);
@@ -148,10 +164,8 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v
 
 /* ---- running processes, from the fake driver's ledger ---- */
 
-/* nvml.h's return codes and process records (nvmlProcessInfo_v1_t for the original entry
- * points; nvmlProcessInfo_v2_t, alias nvmlProcessInfo_t, for _v2 and _v3). */
-#define NVML_ERROR_NOT_SUPPORTED 3
-#define NVML_ERROR_UNKNOWN 999
+/* nvml.h's process records (nvmlProcessInfo_v1_t for the original entry points;
+ * nvmlProcessInfo_v2_t, alias nvmlProcessInfo_t, for _v2 and _v3). */
 #define NVML_NO_INSTANCE 0xFFFFFFFFu /* gpuInstanceId / computeInstanceId outside MIG */
 
 typedef struct {
@@ -210,33 +224,54 @@ static nvmlReturn_t ledger_processes(unsigned int index, struct held **out, unsi
     return NVML_SUCCESS;
 }
 
+/* One request on a connection of its own (NVML calls are rare): the reply's status, or `broken` when
+ * there is no ledger to answer (-1 from the connect: none beside the library) or the link fails. */
+static int ledger_once(fake_ledger_request *req, fake_ledger_reply *r, int send_fd, int broken) {
+    int fd = fake_ledger_connect((const void *)nvmlInit_v2);
+    if (fd < 0) return broken;
+    ssize_t n = fake_ledger_call(fd, req, r, sizeof *r, send_fd, NULL);
+    close(fd);
+    return n < 0 ? broken : r->status;
+}
+
 /* What the node ledger says is taken on device `index` (allocations and the driver's reservations);
  * -1 when there is no node ledger to ask. */
 static int ledger_device_used(unsigned int index, unsigned long long *used) {
     *used = 0;
-    int fd = fake_ledger_connect((const void *)nvmlInit_v2);
-    if (fd == -1) return -1;
     fake_ledger_request req = {.op = FAKE_OP_STATS, .dev = (int32_t)index};
     fake_ledger_reply r = {0};
-    ssize_t n = fd >= 0 ? fake_ledger_call(fd, &req, &r, sizeof r, -1, NULL) : -1;
-    if (fd >= 0) close(fd);
-    if (n < 0 || r.status != 0) return -1;
+    if (ledger_once(&req, &r, -1, -1) != 0) return -1;
     *used = r.v[0] + r.v[4];
     return 0;
 }
 
-/* The node ledger's card (count, bytes each) when one sits beside this library; 0 when none answers. */
+/* The node ledger's card (count, bytes each) and driver when one sits beside this library; 0 when none
+ * answers. */
 static int ledger_card(unsigned int *count, unsigned long long *total) {
-    int fd = fake_ledger_connect((const void *)nvmlInit_v2);
-    if (fd < 0) return 0;
     fake_ledger_request req = {.op = FAKE_OP_HELLO};
     fake_ledger_reply r = {0};
-    ssize_t n = fake_ledger_call(fd, &req, &r, sizeof r, -1, NULL);
-    close(fd);
-    if (n < 0 || r.status != 0 || r.v[0] < 1 || r.v[0] > MAX_DEVICES) return 0;
+    if (ledger_once(&req, &r, -1, -1) != 0 || r.v[0] < 1 || r.v[0] > MAX_DEVICES) return 0;
     *count = (unsigned int)r.v[0];
     *total = r.v[1];
+    if (r.v[2]) { /* 0 from a ledger older than driver branches: R580's figures stand */
+        driver_major = (unsigned int)r.v[2];
+        driver_minor = (unsigned int)(r.v[3] >> 16);
+        driver_patch = (unsigned int)(r.v[3] & 0xffff);
+        driver_cuda = (int)r.v[4];
+    }
     return 1;
+}
+
+/* The device as this process's cgroup sees it (fake_ledger.h's FAKE_OP_MEMINFO); -1 without a ledger. */
+static int ledger_memory_view(unsigned int index, nvmlMemory_v2_t *memory) {
+    fake_ledger_request req = {.op = FAKE_OP_MEMINFO, .dev = (int32_t)index};
+    fake_ledger_reply r = {0};
+    if (ledger_once(&req, &r, -1, -1) != 0) return -1;
+    memory->total = r.v[0];
+    memory->free = r.v[1];
+    memory->used = r.v[2];
+    memory->reserved = 0;
+    return 0;
 }
 
 /* NVML's contract: *infoCount in is the room in `infos`; too little room (a count query
@@ -314,8 +349,6 @@ EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device
  * T4-class card, the same for every device except its identity (index, UUID, PCI bus). */
 
 
-#define FAKE_DRIVER_VERSION "580.65.06"
-
 typedef struct {
     char busIdLegacy[16];
     unsigned int domain, bus, device, pciDeviceId, pciSubSystemId;
@@ -349,17 +382,22 @@ EXPORT nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     return nvmlInit_v2();
 }
 
-EXPORT nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
-    return initialised ? copy_text(version, length, FAKE_DRIVER_VERSION) : NVML_ERROR_UNINITIALIZED;
+/* "580.65.06", the node driver's; NVML's own version is the CUDA major before it ("13.580.65.06"). */
+static nvmlReturn_t driver_version(char *version, unsigned int length, int with_nvml) {
+    char text[48];
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    int n = with_nvml ? snprintf(text, sizeof text, "%d.", driver_cuda / 1000) : 0;
+    snprintf(text + n, sizeof text - (size_t)n, "%u.%02u.%02u", driver_major, driver_minor, driver_patch);
+    return copy_text(version, length, text);
 }
 
-EXPORT nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length) {
-    return initialised ? copy_text(version, length, "13." FAKE_DRIVER_VERSION) : NVML_ERROR_UNINITIALIZED;
-}
+EXPORT nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) { return driver_version(version, length, 0); }
+
+EXPORT nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length) { return driver_version(version, length, 1); }
 
 EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *version) {
     if (!version) return NVML_ERROR_INVALID_ARGUMENT;
-    *version = 13000;
+    *version = driver_cuda;
     return NVML_SUCCESS;
 }
 
@@ -495,4 +533,42 @@ EXPORT nvmlReturn_t nvmlDeviceGetSerial(nvmlDevice_t device, char *serial, unsig
 
 EXPORT nvmlReturn_t nvmlDeviceGetBoardPartNumber(nvmlDevice_t device, char *part, unsigned int length) {
     return valid(device) ? copy_text(part, length, "900-2G183-0000-000") : NVML_ERROR_INVALID_ARGUMENT;
+}
+
+/* ---- NVML 13.4: per-cgroup device memory limits (driver R615) ----
+ * The cgroup travels to the ledger as a directory this process opened (the real NVML opens the path too:
+ * NVML_ERROR_OPERATING_SYSTEM when it cannot), so the ledger judges the kernel's object; the ledger checks
+ * root, the cgroup and the values, and answers NOT_SUPPORTED for a driver older than R615. */
+
+static nvmlReturn_t limits_call(nvmlDevice_t device, const char *name_space, fake_ledger_request *req,
+                                fake_ledger_reply *r) {
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    if (!valid(device) || !name_space) return NVML_ERROR_INVALID_ARGUMENT;
+    if (driver_major < MEMORY_LIMITS_BRANCH) return NVML_ERROR_NOT_SUPPORTED; /* the ledger says so too */
+    /* Opened or not, the ledger decides: a caller without root hears NO_PERMISSION first. */
+    int dir = open(name_space, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    req->dev = (int32_t)device->index;
+    int rc = ledger_once(req, r, dir, NVML_ERROR_UNKNOWN);
+    if (dir >= 0) close(dir);
+    return rc;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device, nvmlSetMemoryLimits_v1_t *limits) {
+    if (!limits) return initialised ? NVML_ERROR_INVALID_ARGUMENT : NVML_ERROR_UNINITIALIZED;
+    fake_ledger_request req = {.op = FAKE_OP_SET_LIMITS, .a = limits->softLimit, .b = limits->hardLimit};
+    fake_ledger_reply r = {0};
+    return limits_call(device, limits->nameSpace, &req, &r);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device, nvmlGetMemoryLimits_v1_t *limits) {
+    if (!limits) return initialised ? NVML_ERROR_INVALID_ARGUMENT : NVML_ERROR_UNINITIALIZED;
+    fake_ledger_request req = {.op = FAKE_OP_GET_LIMITS};
+    fake_ledger_reply r = {0};
+    nvmlReturn_t rc = limits_call(device, limits->nameSpace, &req, &r);
+    if (rc == NVML_SUCCESS) {
+        limits->softLimit = r.v[0];
+        limits->hardLimit = r.v[1];
+        limits->currentUsed = r.v[2];
+    }
+    return rc;
 }

@@ -1,7 +1,9 @@
 """The fake driver is the judge of every security test, so it must be no weaker than a real one (issue 26): its
 ledger and NVML's process list depend on nothing the tenant controls (its environment, its descriptors, files it
 can write, pids it can name), and it charges what a real driver spends outside cuMemAlloc (contexts, limits,
-modules, imports) to the process, as a real NVML does. Each attack runs for real against the node-side ledger."""
+modules, imports) to the process, as a real NVML does. Each attack runs for real against the node-side ledger.
+On an R615 node the driver's per-cgroup limit is set by root only: a tenant can lift it neither through NVML nor
+by talking to the ledger itself."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from cgroup_leaves import OWN_USER_NAMESPACE, PLACE, make_tree, one, readable_gpu, remove_tree, run, unique_top, v2_mount
 from kai_isolator.services.nodeagent.nvml import Nvml
 from kai_isolator.shared import fake_gpu
 from kai_isolator.shared.fake_gpu import FAKE_CONTEXT_OVERHEAD_BYTES as CONTEXT
@@ -99,14 +102,8 @@ class Tenant:
 @pytest.fixture
 def gpu() -> Iterator[FakeGpu]:
     """A node's fake GPU in a folder every uid can read (as a node's driver folder is), owned by root."""
-    top = Path(tempfile.mkdtemp(prefix="kai-fake-driver-", dir="/tmp"))
-    top.chmod(0o755)
-    started = FakeGpu(top / "driver").start()
-    try:
+    with readable_gpu() as started:
         yield started
-    finally:
-        started.stop()
-        shutil.rmtree(top, ignore_errors=True)
 
 
 @pytest.fixture
@@ -397,3 +394,56 @@ say(small=small, big=big, kept=value.value); wait()
     # CUDA_ERROR_OUT_OF_MEMORY, as the real driver answers, and the limit stays what it was.
     assert user.said() == {"small": 0, "big": 2, "kept": 16 * MIB}
     assert nvml_view(gpu) == {hog.pid: CARD - CONTEXT - 16 * MIB, user.pid: CONTEXT + 8 * MIB}
+
+
+# --- the driver's per-cgroup limit (R615) is root's to set -------------------------------------------
+
+
+@pytest.fixture
+def r615() -> Iterator[FakeGpu]:
+    """The same on a node whose driver is R615."""
+    with readable_gpu(driver_branch=615) as started:
+        yield started
+
+
+@pytest.fixture
+def leaf() -> Iterator[Path]:
+    """A container's leaf cgroup under the cgroup v2 hierarchy, made for the test."""
+    mount = v2_mount()
+    if mount is None:
+        pytest.skip("no cgroup v2 hierarchy mounted where root can make cgroups")
+    top = make_tree(unique_top(mount), "pod/ctr")
+    try:
+        yield top / "pod" / "ctr"
+    finally:
+        remove_tree(top)
+
+
+def test_a_tenant_can_lift_its_own_cgroups_limit_by_no_means(r615: FakeGpu, leaf: Path, tenants: list[Tenant]) -> None:
+    assert one(run(r615, "init", "set", leaf, 0, GIB), "set")["rc"] == fake_gpu.NVML_SUCCESS  # root, as the node agent
+    script = f"""
+class Limits(ctypes.Structure):
+    _fields_ = [("nameSpace", ctypes.c_char_p), ("softLimit", ctypes.c_ulonglong), ("hardLimit", ctypes.c_ulonglong)]
+context()
+nvml = ctypes.CDLL("libnvidia-ml.so.1"); device = ctypes.c_void_p()
+assert nvml.nvmlInit_v2() == 0 and nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(device)) == 0
+lifted = nvml.nvmlDeviceSetMemoryLimits_v1(device, ctypes.byref(Limits({str(leaf)!r}.encode(), 0, 2**64 - 1)))
+# Past NVML: the ledger's own request, naming the tenant's cgroup by a directory it opened.
+link = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET); link.connect({str(r615.socket)!r})
+cgroup = os.open({str(leaf)!r}, os.O_PATH | os.O_DIRECTORY)
+link.sendmsg([struct.pack("<IiQQ", {fake_gpu.OP_SET_LIMITS}, 0, 0, 2**64 - 1)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("<i", cgroup))])
+raw = struct.unpack_from("<i", link.recv(4096))[0]
+# What a managed allocation is told to skip (the limit) it skips as cuMemAllocManaged does: the bytes are still its own.
+link.send(struct.pack("<IiQQ", {fake_gpu.OP_ALLOC}, 0, 2 << 30, {fake_gpu.ALLOC_MANAGED}))
+managed = struct.unpack_from("<i", link.recv(4096))[0]
+big, _ = alloc(2 << 30)
+say(lifted=lifted, raw=raw, managed=managed, big=big); wait()
+"""
+    for prefix in (NOBODY, OWN_USER_NAMESPACE):  # a tenant's uid, and root of a user namespace of its own
+        tenant = Tenant(script, env_of(r615), ["sh", "-c", PLACE, str(leaf), *prefix])
+        tenants.append(tenant)
+        assert tenant.said() == {"lifted": fake_gpu.NVML_ERROR_NO_PERMISSION, "raw": fake_gpu.NVML_ERROR_NO_PERMISSION,
+                                 "managed": fake_gpu.CUDA_SUCCESS, "big": fake_gpu.CUDA_ERROR_OUT_OF_MEMORY}
+        assert nvml_view(r615)[tenant.pid] == CONTEXT + 2 * GIB  # the enforcer sees the managed bytes as the tenant's
+        tenant.stop()
+    assert one(run(r615, "init", "get", leaf), "get") == {"rc": fake_gpu.NVML_SUCCESS, "soft": 0, "hard": GIB, "used": 0}

@@ -1,8 +1,10 @@
 """The fake GPU's ledger process at its edges: malformed requests, devices it does not have, a card too small or
-too large, a driver that is not built, and what is left behind when it stops."""
+too large, a driver that is not built, what is left behind when it stops, and the driver branch a node's ledger
+is started as (R580, or R615 with NVML 13.4's per-cgroup limits: tests/unit/shared/test_fake_gpu_limits.py)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import subprocess
@@ -23,12 +25,17 @@ def built() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def ask(gpu: FakeGpu, message: bytes) -> int:
+def answer(gpu: FakeGpu, message: bytes) -> tuple[int, ...]:
+    """The ledger's reply to one message: status, count, v[0..4]."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as link:
         link.settimeout(10)
         link.connect(str(gpu.socket))
         link.send(message)
-        return struct.unpack_from("<i", link.recv(4096))[0]
+        return fake_gpu.REPLY.unpack_from(link.recv(4096))
+
+
+def ask(gpu: FakeGpu, message: bytes) -> int:
+    return answer(gpu, message)[0]
 
 
 def test_malformed_and_out_of_range_requests_get_an_error_and_change_nothing(tmp_path: Path) -> None:
@@ -81,3 +88,28 @@ def test_a_work_dir_longer_than_a_socket_path_still_holds_the_gpu(tmp_path: Path
             "print(total.value)\n")], capture_output=True, text=True, timeout=30, check=False)
         assert cuda.returncode == 0, cuda.stderr
         assert int(cuda.stdout) == 1024 << 20  # the ledger's card, not the in-process default
+
+
+def test_the_driver_branch_is_the_nodes_and_says_what_it_has(tmp_path: Path) -> None:
+    request = fake_gpu.REQUEST
+    assert "--driver-branch=580" in FakeGpu(tmp_path / "default").command()  # a node is R580 unless started otherwise
+    for branch, version, cuda in ((580, (580, 65 << 16 | 6), 13000), (615, (615, 71 << 16 | 9), 13040)):
+        with FakeGpu(tmp_path / f"r{branch}", total_mib=1024, driver_branch=branch) as gpu:
+            # HELLO keeps its first two values where every older client reads them, and adds the driver's.
+            assert answer(gpu, request.pack(fake_gpu.OP_HELLO, 0, 0, 0))[2:] == (1, 1024 << 20, *version, cuda)
+            assert ask(gpu, request.pack(fake_gpu.OP_ALLOC, 0, 1 << 20, 0)) == fake_gpu.CUDA_SUCCESS  # as clients ask today
+            assert ask(gpu, request.pack(fake_gpu.OP_ALLOC, 0, 1 << 20, 2)) == fake_gpu.CUDA_ERROR_INVALID_VALUE  # no such flag
+            assert ask(gpu, request.pack(fake_gpu.OP_MEMINFO, 1, 0, 0)) == fake_gpu.CUDA_ERROR_INVALID_DEVICE
+            assert answer(gpu, request.pack(fake_gpu.OP_MEMINFO, 0, 0, 0))[2:5] == (1024 << 20, 1024 << 20, 0)  # the link closed
+            # A limit request that names no cgroup (no directory's descriptor came with it).
+            set_limits = ask(gpu, request.pack(fake_gpu.OP_SET_LIMITS, 0, 0, 1 << 20))
+            get_limits = ask(gpu, request.pack(fake_gpu.OP_GET_LIMITS, 0, 0, 0))
+            if branch == 580:
+                assert set_limits == get_limits == fake_gpu.NVML_ERROR_NOT_SUPPORTED
+            else:
+                assert set_limits == (fake_gpu.NVML_ERROR_OPERATING_SYSTEM if os.geteuid() == 0 else fake_gpu.NVML_ERROR_NO_PERMISSION)
+                assert get_limits == fake_gpu.NVML_ERROR_OPERATING_SYSTEM
+                assert ask(gpu, request.pack(fake_gpu.OP_GET_LIMITS, 1, 0, 0)) == fake_gpu.NVML_ERROR_INVALID_ARGUMENT
+    done = subprocess.run([sys.executable, "-m", "kai_isolator.shared.fake_gpu", f"--socket={tmp_path / 's'}", "--driver-branch=600"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "the fake driver is branch 580 or 615, not 600" in done.stderr
