@@ -225,6 +225,9 @@ class NodeStatus(Payload):
     enforcer: Literal["off", "enforcing", "blind"] = Field(
         "off", description="enforcing: the driver's view (NVML) is complete; blind: NVML is missing or failing, nothing is acted on")
     enforcer_problem: str = Field("", description="what keeps the enforcer from holding containers to their grants, if anything")
+    mode: Literal["driver-capped", "library-and-enforcer"] = Field(
+        "library-and-enforcer", description="how the node holds grants: the driver's per-cgroup cap set at creation (R615+, cgroup v2, "
+                                            "NRI), or the library and the enforcer; the enforcer stays on in both")
 
     def subject(self) -> str:
         return subjects.node_status(self.node_name)

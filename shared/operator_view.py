@@ -30,6 +30,14 @@ def condition_message(verdict: Verdict, container: str, reasons: list[tuple[str,
     return text[:1024]
 
 
+def container_of_condition(message: str) -> str | None:
+    """The container `condition_message` named (`<verdict>: container <c>[: ...]`), or None for a message we did not write."""
+    _, sep, rest = message.partition(": container ")
+    if not sep or verdict_of_condition(message) is None:
+        return None
+    return rest.split(": ", 1)[0] or None
+
+
 def verdict_of_condition(message: str) -> Verdict | None:
     """The verdict word `condition_message` put first, or None for a message we did not write."""
     word = message.split(":", 1)[0].strip()

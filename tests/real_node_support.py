@@ -1,4 +1,5 @@
-"""What the real-node tests share: the node and its cluster as a test drives them (kubectl), and the loop they run on."""
+"""What the real-node tests share: the node and its cluster as a test drives them (kubectl), the loop they run on, the one
+node of a test process (tests/realnode and tests/security/real_node both run on it), and our services beside it."""
 
 from __future__ import annotations
 
@@ -6,23 +7,31 @@ import asyncio
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from deploy.deploy_tools import helm_binary
-from kai_isolator.services.devcluster import images
-from kai_isolator.services.devcluster.images import docker_env
-from kai_isolator.services.devcluster.oci import docker_archive
+from kai_isolator.services.devcluster import build, images
+from kai_isolator.services.devcluster.oci import image_archive, with_libraries
+from kai_isolator.services.devcluster.oci_push import PushedImage, push_archive
 from kai_isolator.services.devcluster.plane import ControlPlane
 from kai_isolator.services.devcluster.realcluster import RealNodeCluster
 from kai_isolator.services.devcluster.realnode import RealNode
+from kai_isolator.services.devcluster.release import Helm, Release, layer_cache, publish, push_docker_image, registry_client, report
+from kai_isolator.services.admission import dev as admission_dev
+from kai_isolator.services.dev import DevContext
+from kai_isolator.services.nodeagent.agent import NodeAgent
+from kai_isolator.services.nodeagent.settings import NodeAgentSettings
+from kai_isolator.services.verifier import dev as verifier_dev
+from kai_isolator.services.watcher import dev as watcher_dev
+from kai_isolator.shared.bus import connect, provision_stream
+from kai_isolator.shared.embedded_nats import EmbeddedNats
+from kai_isolator.shared.settings import BusSettings
 
 HAMI_BUILD = Path(__file__).resolve().parents[1] / "hami-core" / "build"
 CUDA_IMAGE = "docker.io/nvidia/cuda:12.9.2-base-ubuntu24.04"
@@ -52,6 +61,8 @@ class Node:
     real: RealNodeCluster
     loop: LoopThread
     made: list[tuple[str, str]] = field(default_factory=list)
+    images: set[str] = field(default_factory=set)  # pulled into the node's containerd
+    release: Release | None = None  # ours, published into the node's registry (`published`)
 
     @property
     def plane(self) -> ControlPlane:
@@ -91,9 +102,133 @@ class Node:
         self.made.clear()
 
 
+# --- the one real node of a test process ---------------------------------------------------------------------------
+
+START_TIMEOUT_S = 300.0
+
+
+@dataclass
+class _Session:
+    node: Node
+    users: int = 0
+
+
+_SESSION: list[_Session] = []
+"""The process's real node, if started, and how many session fixtures hold it (tests/realnode's and
+tests/security/real_node's: conftest.SHARED_ONCE keeps both in one xdist worker, so one node serves both)."""
+
+
+@contextlib.contextmanager
+def one_real_node(workdir: Path) -> Iterator[Node]:
+    """The real node of this test process: started by the first session fixture that asks, stopped when the last ends."""
+    if not _SESSION:
+        loop = LoopThread()
+        real = RealNodeCluster(workdir=workdir)
+        try:
+            loop.run(real.start(), START_TIMEOUT_S)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                loop.run(real.stop(), 120)
+            loop.close()
+            raise
+        phases = ", ".join(f"{phase} {seconds:.1f}s" for phase, seconds in real.startup_s.items())
+        print(f"\nreal node ready: {phases}", file=sys.stderr, flush=True)
+        _SESSION.append(_Session(Node(real, loop)))
+    session = _SESSION[0]
+    session.users += 1
+    try:
+        yield session.node
+    finally:
+        session.users -= 1
+        if not session.users:
+            _SESSION.clear()
+            with contextlib.suppress(Exception):
+                session.node.loop.run(session.node.real.stop(), 120)
+            session.node.loop.close()
+
+
+def import_cuda_image(node: Node, workdir: Path) -> str:
+    """A stand-in of `nvidia/cuda:12.9.2-base-ubuntu24.04` (no public registry is reachable) pushed to the node's registry
+    under that name and pulled through the node's docker.io mirror, once: this machine's shell and core tools with their
+    libraries, CUDA programs (`cuprobe`, `rawelf`), and the CUDA base image's environment (`NVIDIA_VISIBLE_DEVICES=all`
+    included); no driver, which the `nvidia` runtime adds, as on a GPU node. Pulled ahead (as `crictl pull` would) for the
+    tests' pods that never pull; the seed's pod names it as users do and finds it as any pull would."""
+    if CUDA_IMAGE in node.images:
+        return CUDA_IMAGE
+    tools = {f"/usr/bin/{name}": Path(f"/usr/bin/{name}") for name in ("cat", "sleep", "grep", "id", "env", "ls", "head")}
+    files = {"/bin/sh": Path("/bin/dash"), **tools, "/usr/local/bin/cuprobe": HAMI_BUILD / "tests" / "cuprobe",
+             "/usr/local/bin/rawelf": HAMI_BUILD / "tests" / "rawelf",
+             # glibc's compatibility stubs, which Ubuntu 24.04 (the real image) has: a libvgpu.so built on an older glibc,
+             # as the node agent's image builds it, names them.
+             **{f"/lib/x86_64-linux-gnu/{stub}": Path(f"/lib/x86_64-linux-gnu/{stub}") for stub in ("libdl.so.2", "libpthread.so.0")}}
+    archive = image_archive(CUDA_IMAGE, with_libraries(files, provided=("libcuda.so.1", "libnvidia-ml.so.1")), workdir / "cuda.tar",
+                            command=["/bin/sh"], env={"PATH": "/usr/local/bin:/usr/bin:/bin", "NVIDIA_VISIBLE_DEVICES": "all",
+                                                      "NVIDIA_DRIVER_CAPABILITIES": "compute,utility", "CUDA_VERSION": "12.9.2"})
+    assert node.real.registry is not None
+    push_archive(registry_client(node.real.registry), archive, CUDA_IMAGE, layer_cache())
+    node.node.pull_image(CUDA_IMAGE)
+    node.images.add(CUDA_IMAGE)
+    return CUDA_IMAGE
+
+
+# --- our services beside the node, as local processes at their shipped defaults ---------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def isolation_services(node: Node, workdir: Path, nats_url: str, nri: bool = False) -> AsyncIterator[DevContext]:
+    """The webhook (registered, failurePolicy Fail), watcher, verifier and node agent at their shipped defaults; the
+    agent is `ctx.values["agent"]`. With `nri`, the agent takes part in container creation: its decision socket is on,
+    and its NRI plugin (built from services/nodeagent/nri) runs on the node, registered with the node's containerd."""
+    bus = BusSettings(nats_url=nats_url)
+    nc = await connect(bus, nats_url, "real-node-tests")
+    try:
+        await provision_stream(nc.jetstream(timeout=bus.jetstream_timeout_s), bus)
+    finally:
+        await nc.drain()
+    ctx = DevContext(nats_url=nats_url, bus=bus, workdir=workdir)
+    cluster = node.real.cluster
+    gpu = node.real.gpu
+    assert cluster is not None and gpu is not None
+    ctx.values["kubeconfig"] = cluster.kubeconfig
+    async with contextlib.AsyncExitStack() as stack:
+        # The enforcer's NVML is the node's (fake) driver, answering from the node's ledger process beside it, the one
+        # every container's libraries reach through the socket the nvidia runtime binds in.
+        await stack.enter_async_context(admission_dev.component(ctx))
+        registered = await cluster.register_webhook(ctx.values["admission_url"], ctx.values["admission_ca_bundle"], failure_policy="Fail")
+        stack.push_async_callback(cluster.unregister_webhook, registered["metadata"]["name"])  # the tests after this module's
+        await stack.enter_async_context(watcher_dev.component(ctx))
+        await stack.enter_async_context(verifier_dev.component(ctx))
+        settings = NodeAgentSettings(node_name="gpu-node-1", host_root=node.node.root, library=[HAMI_BUILD / "libvgpu.so"],
+                                     kubeconfig=cluster.kubeconfig, nvml_library=str(gpu.driver / "libnvidia-ml.so.1"),
+                                     status_interval_s=5, usage_interval_s=5, nri_socket=workdir / "agent-nri.sock" if nri else None)
+        agent = NodeAgent(settings, bus)
+        await agent.start(nats_url)
+        stack.push_async_callback(agent.stop)
+        ctx.values["agent"] = agent
+        if nri:
+            plugin = await asyncio.to_thread(build.nri_plugin)
+            await asyncio.to_thread(node.node.start_nri_plugin, plugin, workdir / "agent-nri.sock")
+            stack.callback(node.node.stop_nri_plugin)
+        yield ctx
+
+
+@contextlib.contextmanager
+def isolated(node: Node, workdir: Path, nri: bool = False) -> Iterator[DevContext]:
+    """NATS and `isolation_services`, for the length of a module."""
+    nats = EmbeddedNats(workdir / "jetstream")
+    nats.start()
+    running = isolation_services(node, workdir, nats.url, nri=nri)
+    try:
+        yield node.loop.run(running.__aenter__(), 120)
+    finally:
+        with contextlib.suppress(Exception):
+            node.loop.run(running.__aexit__(None, None, None), 60)
+        nats.kill()
+
+
 # --- the chart and the manifests on the real node, installed as users install them ------------------------------
 
-# The seed's example, verbatim but for the image being a local stand-in of that name (no registry is reachable).
+# The seed's example, verbatim; its image is a local stand-in of that name, in the node's registry (import_cuda_image).
 SEED_POD = """
 apiVersion: v1
 kind: Pod
@@ -114,33 +249,46 @@ REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "deploy" / "helm" / "kai-resource-isolator"
 DEV_OVERLAY = REPO / "deploy" / "kustomize" / "overlays" / "dev"
 RELEASE = NAMESPACE = "kai-resource-isolator"
-# What `make images` leaves in the Docker engine: the chart's and the overlay's images, and the NATS stand-in.
-CHART_IMAGES = ("kai-isolator:dev", "kai-isolator-nodeagent:dev", "nats:2.10.22-alpine")
-# Only image and NATS values: the node's /usr/local and /var/lib are its own (the work dir's), so the chart's host
-# paths stay at their defaults.
-CHART_VALUES = {"image.registry": "", "image.repository": "kai-isolator", "image.tag": "dev",
-                "nodeAgent.image.registry": "", "nodeAgent.image.repository": "kai-isolator-nodeagent", "nodeAgent.image.tag": "dev",
-                "nats.enabled": "true"}
+# What `make images` leaves in the Docker engine that the chart and the overlay name: the release's two images and the
+# NATS stand-in, which the node's registry serves under its public name.
+NATS_IMAGE = "nats:2.10.22-alpine"
+CHART_IMAGES = (images.SERVICES_IMAGE.tag, images.NODEAGENT_IMAGE.tag, NATS_IMAGE)
+THIRD_PARTY_IMAGES = {NATS_IMAGE: "docker.io/library/nats:2.10.22-alpine"}
+# Only NATS values: the chart comes from the registry naming its images by digest, and the node's /usr/local and
+# /var/lib are its own (the work dir's), so the chart's host paths stay at their defaults.
+CHART_VALUES = {"nats.enabled": "true"}
 NATS_UID = 1000  # the chart's NATS runs as 1000 with fsGroup 1000, which a hostPath volume does not apply
 
 
 def build_chart_images(log: TextIO) -> None:
     """The chart's images built from this tree, so no test installs an image of older code; Docker's layer cache makes
-    an unchanged tree cost seconds (the compose suite has built the same images already in a full run)."""
+    an unchanged tree cost seconds (the compose suite has built the same images already in a full run). And helm, which
+    publishes and installs the chart."""
+    build.helm(log)
     kube_builder = images.ensure_prerequisites(log)
     for image in images.PROJECT_IMAGES:
         if image.tag in CHART_IMAGES:
             images.build_image(image, kube_builder, log)
 
 
-def import_docker_images(node: Node, tags: tuple[str, ...], cache: Path) -> dict[str, float]:
-    """The engine's images into the node's containerd, as `kind load docker-image` does; seconds per image."""
-    took = {}
-    for tag in tags:
+def push_docker_images(node: Node, references: dict[str, str]) -> dict[str, PushedImage]:
+    """Images of the engine pushed to the node's registry under the names the cluster pulls them by."""
+    assert node.real.registry is not None
+    return {tag: push_docker_image(node.real.registry, tag, reference) for tag, reference in references.items()}
+
+
+def published(node: Node) -> Release:
+    """Our release in the node's registry, once per node, as `make release` publishes it (images, then the chart pinning
+    them), with the third-party images it names beside it."""
+    if node.release is None:
         started = time.monotonic()
-        node.node.import_image(docker_archive(tag, cache, docker_env()))
-        took[tag] = time.monotonic() - started
-    return took
+        push_docker_images(node, THIRD_PARTY_IMAGES)
+        workdir = node.real.workdir / "release"
+        workdir.mkdir(exist_ok=True)
+        assert node.real.registry is not None
+        node.release = publish(node.real.registry, node_helm(node), workdir)
+        print(f"\nreleased into the node's registry in {time.monotonic() - started:.1f}s:\n{report(node.release)}", file=sys.stderr)
+    return node.release
 
 
 def nats_volume(node: Node, name: str) -> None:
@@ -156,10 +304,14 @@ def nats_volume(node: Node, name: str) -> None:
                  "hostPath": {"path": inside, "type": "Directory"}}}))
 
 
+def node_helm(node: Node) -> Helm:
+    """helm as a user on this machine runs it against the node's cluster, docker.io resolving to the node's registry."""
+    assert node.real.registry is not None
+    return Helm(build.helm(), node.real.workdir / "helm", node.real.registry, kubeconfig=node.plane.admin_kubeconfig)
+
+
 def helm(node: Node, *args: str, timeout_s: float = 300) -> str:
-    done = subprocess.run([str(helm_binary()), *args], capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, "KUBECONFIG": str(node.plane.admin_kubeconfig), "HELM_CACHE_HOME": str(node.real.workdir / "helm-cache"),
-                               "HELM_CONFIG_HOME": str(node.real.workdir / "helm-config"), "HELM_DATA_HOME": str(node.real.workdir / "helm-data")})
+    done = node_helm(node).run(*args, timeout_s=timeout_s)
     if done.returncode != 0:
         raise AssertionError(f"helm {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
     return done.stdout
@@ -167,15 +319,16 @@ def helm(node: Node, *args: str, timeout_s: float = 300) -> str:
 
 @contextlib.contextmanager
 def chart_release(node: Node, volume: str, install_timeout: str = "300s") -> Iterator[float]:
-    """Our chart installed as users install it (`helm install --wait`, only image and NATS values), its images imported
-    into the node first; uninstalled afterwards unless a test did. Yields the seconds install took to all Ready."""
-    imported = import_docker_images(node, CHART_IMAGES, Path.home() / ".cache" / "kai-isolator" / "node-images")
-    print("\nimages imported: " + ", ".join(f"{t} {s:.1f}s" for t, s in imported.items()), file=sys.stderr)
+    """Our chart installed as users install it, `helm install kai-resource-isolator oci://docker.io/projecthami/
+    kai-resource-isolator --version <version>-chart --create-namespace --wait` (only NATS values), from the node's registry
+    (`published`); the node pulls its images by digest through its docker.io mirror. Uninstalled afterwards unless a test
+    did. Yields the seconds install took to all Ready."""
+    release = published(node)
     nats_volume(node, volume)
     started = time.monotonic()
     try:
-        helm(node, "install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
-             *[flag for key, value in CHART_VALUES.items() for flag in ("--set", f"{key}={value}")],
+        helm(node, "install", RELEASE, release.chart, "--version", release.chart_version, *node_helm(node).registry_flags,
+             "-n", NAMESPACE, "--create-namespace", *[flag for key, value in CHART_VALUES.items() for flag in ("--set", f"{key}={value}")],
              "--wait", "--timeout", install_timeout, timeout_s=360)
     except AssertionError as error:
         pods = node.kubectl("get", "pods,jobs,pvc", "-n", NAMESPACE, "-o", "wide", check=False)
@@ -213,7 +366,7 @@ def gpu_pod(name: str, image: str, gpu_memory_mib: int, command: list[str], anno
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": "default", "annotations": {"gpu-memory": str(gpu_memory_mib), **(annotations or {})}},
             "spec": {"schedulerName": "kai-scheduler", "terminationGracePeriodSeconds": 1,
-                     "containers": [{"name": "cuda", "image": image, "imagePullPolicy": "Never", "command": command}]}}
+                     "containers": [{"name": "cuda", "image": image, "command": command}]}}
 
 
 def workloads(node: Node, namespace: str) -> list[str]:

@@ -19,7 +19,7 @@ async def component(ctx: DevContext) -> AsyncIterator[None]:
     """Serve /mutate and publish its webhook URL and CA bundle for whoever registers it."""
     pair = issue(["localhost", "127.0.0.1"])
     ca, cert, key = pair.write(ctx.workdir / "admission")
-    overrides = {k: ctx.values[k] for k in ("container_vgpu_mount", "state_dir", "grant_dir") if k in ctx.values}
+    overrides = {k: ctx.values[k] for k in ("container_vgpu_mount", "state_dir", "grant_dir", "policy", "require_nri_plugin") if k in ctx.values}
     settings = AdmissionSettings(listen="127.0.0.1:0", tls_cert_file=cert, tls_private_key_file=key, **overrides)
     server = AdmissionServer(settings, ctx.bus)
     await server.start()

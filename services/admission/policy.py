@@ -1,7 +1,9 @@
-"""Tenant-escape policy: what in a GPU-sharing pod tries to get around libvgpu.so, and what to do about it."""
+"""Tenant-escape policy: what in a GPU-sharing pod tries to get around libvgpu.so, what in any other pod asks the
+NVIDIA runtime for a GPU it was never given, and what to do about it."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kai_isolator.shared.contract import GRANT_MOUNT_PATH, KAI_CONFIGMAP_ANNOTATION, PRELOAD_PATH, STATE_MOUNT_PATH
@@ -12,7 +14,7 @@ from .pod import (
 )
 from .settings import PolicyMode
 
-__all__ = ["ESCAPE_ENV", "GRANT_ENV", "PER_DEVICE_LIMIT_PREFIX", "Verdict", "findings", "judge"]
+__all__ = ["ESCAPE_ENV", "GRANT_ENV", "PER_DEVICE_LIMIT_PREFIX", "Verdict", "device_access_findings", "findings", "judge"]
 # Seccomp profiles that keep the tenant from making a user namespace (and remounting the preload in it).
 CONFINING_SECCOMP = frozenset({"RuntimeDefault", "Localhost"})
 # Capabilities that let a process remount /etc/ld.so.preload or leave the container's view.
@@ -20,6 +22,10 @@ ESCAPE_CAPABILITIES = frozenset({"ALL", "SYS_ADMIN", "SYS_PTRACE", "SYS_MODULE"}
 # The NVIDIA container runtime's device selector, and the values that give a container no GPU.
 DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 NO_DEVICES = frozenset({"", "void", "none"})
+# What the device plugin hands out: a container asking for one gets its GPUs from the plugin, not from its own env.
+GPU_RESOURCE = "nvidia.com/gpu"
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
+_ZERO_QUANTITY = re.compile(r"^\+?0*(\.0*)?([eE][+-]?[0-9]+|[a-zA-Z]+)?$")
 
 
 @dataclass(frozen=True)
@@ -140,12 +146,9 @@ def _other_container_findings(view: PodView, target: Target) -> list[str]:
         if field == target.field and index == target.index:
             continue
         name = container["name"]
-        for item in container.get("env") or ():
-            if isinstance(item, dict) and item.get("name") == DEVICES_ENV:
-                value = item.get("value")
-                if item.get("valueFrom") is not None or not isinstance(value, str) or value.strip().lower() not in NO_DEVICES:
-                    found.append(f"container {name} sets {DEVICES_ENV}: only the GPU-share target ({target.name}) may reach the GPU, "
-                                 "and the node grants the others nothing")
+        if names_devices(container):
+            found.append(f"container {name} sets {DEVICES_ENV}: only the GPU-share target ({target.name}) may reach the GPU, "
+                         "and the node grants the others nothing")
         if container.get("envFrom"):
             found.append(f"container {name} takes env from envFrom sources the webhook cannot check (they may set {DEVICES_ENV})")
         security = _object(container.get("securityContext"))
@@ -155,6 +158,49 @@ def _other_container_findings(view: PodView, target: Target) -> list[str]:
         added = {str(c).upper().removeprefix("CAP_") for c in added_list} if isinstance(added_list, list) else set()
         for capability in sorted(added & ESCAPE_CAPABILITIES):
             found.append(f"container {name} adds capability {capability}, enough to reach into the target and undo its preload")
+    return found
+
+
+def names_devices(container: Json) -> bool:
+    """The container's own env asks the NVIDIA runtime for GPUs: NVIDIA_VISIBLE_DEVICES set to anything but "", `void` or
+    `none`, or from a reference whose value the webhook cannot see (KAI's deviceaccess refuses `valueFrom` likewise).
+    The last definition is the one the container gets, as the kubelet resolves a name given twice."""
+    last = None
+    for item in container.get("env") or ():
+        if isinstance(item, dict) and item.get("name") == DEVICES_ENV:
+            last = item
+    if last is None:
+        return False
+    value = last.get("value")
+    return last.get("valueFrom") is not None or not isinstance(value, str) or value.strip().lower() not in NO_DEVICES
+
+
+def asks_device_plugin(container: Json) -> bool:
+    """The container asks the device plugin for a whole GPU or a MIG slice (a non-zero limit or request)."""
+    resources = _object(container.get("resources"))
+    for amounts in (_object(resources.get("limits")), _object(resources.get("requests"))):
+        for name, amount in amounts.items():
+            if (name == GPU_RESOURCE or str(name).startswith(MIG_RESOURCE_PREFIX)) and not _is_zero(amount):
+                return True
+    return False
+
+
+def _is_zero(amount: object) -> bool:
+    """A resource quantity of zero in any of its spellings (`0`, `0.0`, `0m`, `0Gi`, `0e3`): the plugin allocates nothing."""
+    return _ZERO_QUANTITY.match(str(amount).strip()) is not None
+
+
+def device_access_findings(view: PodView) -> list[str]:
+    """A pod outside GPU sharing: each container that asks no device plugin for a GPU but names GPUs for the NVIDIA
+    runtime itself. With the runtime's env-var device list (the GPU Operator's default) that container would get
+    every GPU it names, a shared one included, past the scheduler, the device plugin and every grant. A container that
+    asks for `nvidia.com/gpu` is out of scope (the device plugin sets its devices). What the webhook cannot see is the
+    node's to judge: env from `envFrom` sources and the image's own ENV (see docs/security.md)."""
+    found: list[str] = []
+    for _field, _index, container in view.all_containers():
+        if names_devices(container) and not asks_device_plugin(container):
+            found.append(f"container {container['name']} sets {DEVICES_ENV} but asks for no {GPU_RESOURCE} and the pod shares no GPU: "
+                         "it would reach GPUs no one gave it (set it to void, or ask for the GPU)")
     return found
 
 
@@ -209,9 +255,9 @@ def _foreign_mount_findings(view: PodView, target: Target, desired: Desired) -> 
     return found
 
 
-def judge(found: list[str], mode: PolicyMode) -> Verdict:
+def judge(found: list[str], mode: PolicyMode, what: str = "this GPU-sharing pod") -> Verdict:
     if not found or mode == "off":
         return ALLOWED
     if mode == "warn":
         return Verdict(True, tuple(f"kai-resource-isolator: {f}" for f in found))
-    return Verdict(False, message="kai-resource-isolator denies this GPU-sharing pod: " + "; ".join(found))
+    return Verdict(False, message=f"kai-resource-isolator denies {what}: " + "; ".join(found))

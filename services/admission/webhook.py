@@ -12,12 +12,12 @@ from kai_isolator.shared.events import AdmissionOutcome
 from . import review
 from .answer import JSON, TEXT, Answer, DecisionRecord, allowed, bad_request, denied, errored
 from .injection import Desired, InjectionConfig, Shapes
-from .mutation import CleanPatches, carries_nothing_of_ours, plan_ops, readiness_gate_ops
+from .mutation import CleanPatches, carries_nothing_of_ours, plan_ops, readiness_gate_ops, required_plugin_ops
 from .pod import (
     INJECT_ANNOTATION, NoTargetContainer, PodUnreadable, PodView, Target, annotations_of, asks_opt_out, changed_gpu_groups,
     changed_gpu_requests, find_target, is_gpu_sharing, read_pod,
 )
-from .policy import findings, judge
+from .policy import device_access_findings, findings, judge
 from .replay import Replays
 from .review import AdmissionRequest, BadReview
 from .settings import AdmissionSettings, PolicyMode
@@ -39,10 +39,11 @@ class Webhook:
     """The decision logic, free of HTTP and of the bus. With `readiness_gate`, an injected pod also
     waits for the verifier's `kai-resource-isolator.io/Isolated` condition before it is Ready."""
 
-    def __init__(self, config: InjectionConfig, mode: PolicyMode, readiness_gate: bool = False) -> None:
+    def __init__(self, config: InjectionConfig, mode: PolicyMode, readiness_gate: bool = False, required_plugin: str = "") -> None:
         self.config = config
         self.mode = mode
         self.readiness_gate = readiness_gate
+        self.required_plugin = required_plugin  # the NRI plugin a GPU-sharing pod's containers need; "" = none
         self.shapes = Shapes(config)
         self.clean_patches = CleanPatches()
         self.replays = Replays()
@@ -50,7 +51,7 @@ class Webhook:
     @classmethod
     def from_settings(cls, settings: AdmissionSettings, readiness_gate: bool = False) -> Webhook:
         config = InjectionConfig(settings.container_vgpu_mount, settings.state_dir, settings.allow_pod_opt_out, settings.grant_dir)
-        return cls(config, settings.policy, readiness_gate)
+        return cls(config, settings.policy, readiness_gate, settings.require_nri_plugin)
 
     def handle(self, raw: bytes) -> Answer:
         fitted = self.replays.match(raw)
@@ -82,7 +83,7 @@ class Webhook:
         try:
             annotations = annotations_of(pod)
             if not is_gpu_sharing(annotations):
-                return _allow(request, "not a GPU-sharing pod (no gpu-fraction or gpu-memory annotation)")
+                return self._judge_device_access(request, annotations)
             if asks_opt_out(annotations):
                 if self.config.allow_pod_opt_out:
                     return _allow(request, f"opted out by annotation {INJECT_ANNOTATION}")
@@ -106,6 +107,24 @@ class Webhook:
             reason += f"; {len(found)} policy finding(s)"
         body = allowed(request, warnings=warnings, patch_json=patch_json)
         return _answer(request, body, decision, reason, target.name, found, operations)
+
+    def _judge_device_access(self, request: AdmissionRequest, annotations: dict[str, str]) -> Answer:
+        """A pod outside GPU sharing is not mutated; under the policy, a container of it that names GPUs for the NVIDIA
+        runtime without asking the device plugin for one is refused (enforce) or warned about (warn). The webhook's
+        matchConditions send it only such pods, and only at creation."""
+        if self.mode == "off":
+            return _allow(request, "not a GPU-sharing pod (no gpu-fraction or gpu-memory annotation)")
+        try:
+            found = device_access_findings(read_pod(request.object, annotations))
+        except PodUnreadable as error:
+            return _deny(request, 400, f"cannot read pod: {error}")
+        if not found:
+            return _allow(request, "not a GPU-sharing pod (no gpu-fraction or gpu-memory annotation)")
+        verdict = judge(found, self.mode, "this pod, which shares no GPU")
+        if not verdict.allowed:
+            return _deny(request, 403, verdict.message, found=found)
+        return _answer(request, allowed(request, warnings=verdict.warnings), "warned",
+                       f"not a GPU-sharing pod; {len(found)} policy finding(s)", found=found)
 
     def _judge_update(self, request: AdmissionRequest) -> Answer:
         """An update may change anything of a pod but what KAI booked its GPU share from and named its ConfigMaps by,
@@ -136,6 +155,8 @@ class Webhook:
         """The patch serialised (None when empty) and its length; a pod that carries nothing of ours
         gets the one its shape always gets."""
         gate = readiness_gate_ops(view) if self.readiness_gate else []
+        if self.required_plugin:
+            gate += required_plugin_ops(view, self.required_plugin)
         if carries_nothing_of_ours(view, target, desired):
             ops_json, operations = self.clean_patches.clean_patch(view, target, desired)
             if gate:  # splice the gate's op onto the array: `[...]` + `,{...}]`

@@ -29,11 +29,16 @@ from .kubelet import SimulatedKubelet
 from .plane import ApiCallError, ControlPlane, ControlPlaneError
 
 log = logging.getLogger(__name__)
-# Ours matches updates too (the GPU-request annotations are fixed once a pod exists), so the pod before one counts.
+# Ours matches updates too (the GPU-request annotations are fixed once a pod exists), so the pod before one counts; and
+# at creation a pod outside GPU sharing that names GPUs for the NVIDIA runtime (its policy refuses or warns), as deploy/ has it.
+_NAMES_GPUS = "c.env.exists(e, e.name == 'NVIDIA_VISIBLE_DEVICES' && !(has(e.value) && e.value in ['void', 'none']))"
 OUR_MATCH_CONDITION = {
-    "name": "gpu-sharing-pods-only",
+    "name": "gpu-sharing-or-gpu-naming-pods",
     "expression": f"({GPU_SHARING_CONDITION['expression']}) || (oldObject != null && has(oldObject.metadata.annotations) && "
-                  "('gpu-fraction' in oldObject.metadata.annotations || 'gpu-memory' in oldObject.metadata.annotations))",
+                  "('gpu-fraction' in oldObject.metadata.annotations || 'gpu-memory' in oldObject.metadata.annotations)) || "
+                  "(request.operation == 'CREATE' && has(object.spec.containers) && "
+                  f"(object.spec.containers.exists(c, has(c.env) && {_NAMES_GPUS}) || "
+                  f"(has(object.spec.initContainers) && object.spec.initContainers.exists(c, has(c.env) && {_NAMES_GPUS}))))",
 }
 
 Obj = dict[str, Any]
@@ -299,8 +304,10 @@ class DevCluster:
     async def _until_admitted(self, namespace: str, admitted: Any, what: str, timeout_s: float = 20) -> None:
         """Wait until a newly registered webhook is in force: the API server picks configurations up from a watch, not at
         once, and a pod created before then would never meet it. Probed with dry-run creates (nothing is stored)."""
+        # A seccomp profile, so a webhook under --policy enforce admits the probe too.
         probe = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "webhook-probe", "annotations": {"gpu-memory": "1024"}},
-                 "spec": {"schedulerName": "kai-scheduler", "containers": [{"name": "main", "image": "busybox"}]}}
+                 "spec": {"schedulerName": "kai-scheduler", "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+                          "containers": [{"name": "main", "image": "busybox"}]}}
         deadline = time.monotonic() + timeout_s
         while True:
             try:

@@ -1,5 +1,6 @@
-"""What `kubectl isolator` shows, built from API objects: one row per GPU-sharing container, a pod's
-isolation story, one row per GPU node. Pure functions over the JSON the API returned.
+"""What `kubectl isolator` shows, built from API objects: one row per GPU-sharing container (and per container of any
+other pod our services judged: one outside GPU sharing caught on a shared GPU), a pod's isolation story, one row per
+GPU node. Pure functions over the JSON the API returned.
 
 Trust: the verdict comes from the pod condition (status subresource) or our services' Events, grant and
 usage from the node view on the Node; the pod's own annotations, env and ConfigMaps are the tenant's to
@@ -22,7 +23,8 @@ from kai_isolator.shared.errors import ConfigError
 from kai_isolator.shared.grant import GPU_MEMORY_NODE_LABEL
 from kai_isolator.shared.limits import parse_limit
 from kai_isolator.shared.operator_view import (
-    EVENT_REASONS, ISOLATED_CONDITION, NODE_VIEW_ANNOTATION, ContainerUsageView, NodeAgentView, verdict_of_condition,
+    EVENT_REASONS, ISOLATED_CONDITION, NODE_VIEW_ANNOTATION, ContainerUsageView, NodeAgentView, container_of_condition,
+    verdict_of_condition,
 )
 
 Obj = dict[str, Any]
@@ -198,11 +200,14 @@ def container_row(pod: Obj, events: list[Obj], usage: dict[tuple[str, str], Cont
                   configmaps: dict[tuple[str, str], Obj]) -> ContainerRow:
     meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
     annotations = meta.get("annotations") or {}
+    condition = isolated_condition(pod)
     container = target_container(pod)
+    if not is_gpu_sharing(annotations) and condition is not None:
+        # A pod outside GPU sharing has no target: the container is the one our services judged.
+        container = container_of_condition(str(condition.get("message") or "")) or container
     row = ContainerRow(namespace=meta.get("namespace", ""), pod=meta.get("name", ""), container=container, node=spec.get("nodeName"),
                        phase=status.get("phase"), verdict="pending",
                        requested=", ".join(f"{k}={annotations[k]}" for k in (GPU_MEMORY_ANNOTATION, GPU_FRACTION_ANNOTATION) if k in annotations))
-    condition = isolated_condition(pod)
     verdict = verdict_of_condition(str(condition.get("message") or "")) if condition else None
     if condition and verdict:
         row.verdict, row.reason, row.message, row.verdict_from = verdict, str(condition.get("reason") or ""), str(condition.get("message") or ""), "condition"
@@ -254,7 +259,10 @@ def story(pod: Obj, events: list[Obj], usage: dict[tuple[str, str], ContainerUsa
     requested = row.requested or "no gpu-memory / gpu-fraction annotation"
     entries.append(StoryEntry(time=parse_time(meta.get("creationTimestamp")), what="Created", detail=requested))
     injected = any(v.get("name") == VGPU_VOLUME for v in spec.get("volumes") or [])
-    if injected:
+    if not is_gpu_sharing(annotations):
+        entries.append(StoryEntry(time=parse_time(meta.get("creationTimestamp")), what="OutsideGpuSharing",
+                                  detail="the pod asks for no GPU share: on a GPU that KAI shares the node grants it nothing"))
+    elif injected:
         entries.append(StoryEntry(time=parse_time(meta.get("creationTimestamp")), what="Injected",
                                   detail=f"libvgpu.so mounted read-only into container {row.container} by the admission webhook"))
     else:

@@ -23,7 +23,7 @@ from kai_isolator.shared.events import (
 from kai_isolator.shared.settings import BusSettings
 from kai_isolator.shared.tasks import cancel_all
 
-from . import enforce, grants, install, nvml, observe
+from . import creation, enforce, grants, install, nvml, observe
 from .layout import HostLayout
 from .settings import NODE_BUCKET, NodeAgentSettings
 
@@ -81,14 +81,20 @@ class NodeAgent:
         self.breaches = Counter("kai_isolator_breaches", "Containers found above their grant by the driver's view, by action",
                                 ["namespace", "pod", "container", "action"], registry=registry)
         self.nvml_up = Gauge("kai_isolator_nvml_up", "1 while the enforcer's last NVML poll was complete", registry=registry)
-        self.unattributed = Gauge("kai_isolator_gpu_processes_unattributed", "Processes holding device memory outside any "
-                                  "GPU-sharing container the agent knows (reported, never touched)", registry=registry)
+        self.unattributed = Gauge("kai_isolator_gpu_processes_unattributed", "Processes holding device memory that the enforcer "
+                                  "judges against no grant: outside every pod the agent knows, or of a pod outside GPU sharing on a "
+                                  "GPU KAI does not share (reported, never touched)", registry=registry)
         self.poll_seconds = Histogram("kai_isolator_enforcer_poll_seconds", "One enforcer round: NVML snapshot, attribution, "
                                       "comparison, action", registry=registry, buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
         self._nvml: nvml.Nvml | None = None
+        self.mode = creation.NodeMode.LIBRARY_AND_ENFORCER  # without NRI: today's path
+        self._creation_server: asyncio.AbstractServer | None = None
+        self.mode_gauge = Gauge("kai_isolator_node_mode", "1 for the way this node holds grants: driver-capped (R615+, cgroup v2, "
+                                "NRI) or library-and-enforcer", ["mode"], registry=registry)
+        self.mode_gauge.labels(mode=self.mode.value).set(1)
         self.enforcer: enforce.Enforcer | None = None
         if settings.enforce:
-            pods = enforce.KnownPods(self.grant_root, self._known_pods, self._withheld)
+            pods = enforce.KnownPods(self.grant_root, self._known_pods, self._withheld, others=self._other_pods, shared=self._shared_gpus)
             self.enforcer = make_enforcer(settings, self._snapshot, pods, self._report_breach, self._evict)
             self.runtime.add_readiness_check(self._enforcer_problem)
 
@@ -116,9 +122,13 @@ class NodeAgent:
             self._loops.append(asyncio.create_task(self.grants.run(), name="grants"))
         if self.enforcer is not None:
             self._loops.append(asyncio.create_task(self._enforce(), name="enforcer"))
+        if self.settings.nri_socket is not None:
+            await self._serve_creation(self.settings.nri_socket)
 
     async def stop(self) -> None:
         await cancel_all(self._loops)
+        if self._creation_server is not None:
+            self._creation_server.close()
         if self.grants is not None:
             await self.grants.close()
         if self._nvml is not None:
@@ -152,6 +162,7 @@ class NodeAgent:
             self_check="passed" if self.last_check.passed else "failed", self_check_at=self.last_check.at,
             problems=state.problems, enforcer_problem=self._enforcer_problem() or "",
             enforcer="off" if self.enforcer is None else "enforcing" if self.enforcer.healthy else "blind",
+            mode=self.mode.value,
         )
         try:
             await self.runtime.kv(NODE_BUCKET).put(self.node, report.model_dump_json().encode())
@@ -223,6 +234,24 @@ class NodeAgent:
                 log.warning("could not publish usage", extra={"node": self.node, "error": str(error)})
         return reports
 
+    # --- container creation (NRI) -------------------------------------------------------------
+
+    async def _serve_creation(self, path: object) -> None:
+        """The decision socket the NRI plugin asks; the node's mode is decided once, from the driver and the kernel."""
+        mount = creation.v2_mount()
+        driver: nvml.Nvml | None = None
+        try:
+            driver = await asyncio.to_thread(nvml.Nvml, self.settings.nvml_library)
+        except nvml.NvmlError as error:
+            log.warning("no NVML for the driver's cap", extra={"node": self.node, "error": str(error)})
+        self.mode = await asyncio.to_thread(creation.detect_mode, driver, mount)
+        self.mode_gauge.clear()
+        self.mode_gauge.labels(mode=self.mode.value).set(1)
+        gate = creation.CreationGate(self.grant_root, self.mode, driver=driver, mount=mount, proc_root=self.settings.proc_root,
+                                     hold_s=self.settings.nri_hold_s)
+        self._creation_server = await creation.serve(gate, path)  # type: ignore[arg-type]
+        log.info("taking part in container creation", extra={"node": self.node, "mode": self.mode.value, "socket": str(path)})
+
     # --- the enforcer ----------------------------------------------------------------------
 
     def _snapshot(self) -> nvml.DriverSnapshot:
@@ -234,6 +263,12 @@ class NodeAgent:
 
     def _known_pods(self) -> dict[str, dict[str, object]]:
         return {uid: tracked.pod for uid, tracked in self.grants.pods.items()} if self.grants is not None else {}
+
+    def _other_pods(self) -> dict[str, dict[str, object]]:
+        return self.grants.others if self.grants is not None else {}
+
+    def _shared_gpus(self) -> frozenset[str]:
+        return self.grants.shared_gpus() if self.grants is not None else frozenset()
 
     def _withheld(self, pod_uid: str, container: str) -> str | None:
         return self.grants.withheld.get((pod_uid, container)) if self.grants is not None else None

@@ -6,7 +6,9 @@ PID to (pod, container) by its kubelet cgroup (never by anything the process can
 tenant made below its container's is still the container's), sums per container and device, and
 compares with the node-written grant plus one allowance per container for the driver's context
 reservations. Every container of a GPU-sharing pod is held to what the node granted it: nothing,
-without allowance, for a sidecar or a target whose grant was withheld. Every complete poll that finds
+without allowance, for a sidecar or a target whose grant was withheld. A GPU that KAI shares (one of its
+reservation pods holds it) is for its grant holders only: a container of any other pod on the node is held
+to nothing there, and judged nowhere else. Every complete poll that finds
 a container over acts (on_breach kill: again on each such poll, sparing what was already killed; a
 container that keeps coming back over is evicted). A poll that is not complete acts on nothing.
 """
@@ -20,7 +22,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -155,6 +157,7 @@ class Target:
     container_id: str
     limits: Mapping[str, int]  # device UUID -> bytes; a device not here is granted nothing
     withheld: str = ""  # why the node granted this container nothing
+    outside_sharing: bool = False  # a container of a pod outside GPU sharing: judged only on GPUs KAI shares
 
     @property
     def key(self) -> tuple[str, str]:
@@ -172,33 +175,49 @@ def container_name(pod: Obj, container_id: str) -> str | None:
 
 
 Withheld = Callable[[str, str], "str | None"]
+SharedGpus = Callable[[], Collection[str]]
+
+
+def _pod_ref(pod: Obj, uid: str) -> PodRef:
+    meta = pod.get("metadata") or {}
+    return PodRef(namespace=str(meta.get("namespace") or ""), name=str(meta.get("name") or ""), uid=uid)
 
 
 class KnownPods:
-    """The GPU-sharing pods bound to this node (from the agent's pod watch) and their grant files.
+    """The pods bound to this node (from the agent's pod watch), the grant files of the GPU-sharing ones, and
+    the GPUs KAI shares there.
 
-    Every container of such a pod is held to what the node granted it, and that is nothing where no
+    Every container of a GPU-sharing pod is held to what the node granted it, and that is nothing where no
     grant was written (a sidecar, a target whose grant was withheld: `withheld` tells why, from the
-    grant keeper). Only processes outside every GPU-sharing pod are `unattributed`, reported and never
-    touched, and a container for the few seconds before its id reaches the pod's status.
+    grant keeper). Every container of any other pod (`others`: the agent never lists KAI's reservation pods
+    there) is held to nothing on a GPU in `shared`, and judged on no other GPU: a whole GPU no reservation pod
+    holds is not ours to judge. What is left is `unattributed`, reported and never touched: processes of no
+    pod the node knows, and a container for the few seconds before its id reaches its GPU-sharing pod's status.
+    Whom a process belongs to comes from its kubelet cgroup and the API's pods, never from the container.
     """
 
     def __init__(self, grant_root: Path, pods: Callable[[], Mapping[str, Obj]], withheld: Withheld | None = None,
-                 unlisted_grace_s: float = UNLISTED_GRACE_S) -> None:
+                 unlisted_grace_s: float = UNLISTED_GRACE_S, *, others: Callable[[], Mapping[str, Obj]] | None = None,
+                 shared: SharedGpus | None = None) -> None:
         self.grant_root = grant_root
         self.pods = pods
         self.withheld = withheld
         self.unlisted_grace_s = unlisted_grace_s
+        self.others = others
+        self.shared = shared
         self._grants: dict[tuple[str, str], tuple[int, Grant | None]] = {}
         self._unlisted: dict[tuple[str, str], float] = {}  # (pod uid, container id) -> first seen
+
+    def shared_gpus(self) -> frozenset[str]:
+        """The UUIDs of the GPUs KAI's reservation pods on this node hold: for their grant holders only."""
+        return frozenset(self.shared()) if self.shared is not None else frozenset()
 
     def target(self, owner: ContainerCgroup) -> Target | str:
         """The container a kubelet cgroup names and what it is held to, or why it is not held to anything."""
         pod = self.pods().get(owner.pod_uid)
         if pod is None:
-            return "not a GPU-sharing pod known on this node"
-        meta = pod.get("metadata") or {}
-        ref = PodRef(namespace=str(meta.get("namespace") or ""), name=str(meta.get("name") or ""), uid=owner.pod_uid)
+            return self._outside_sharing(owner)
+        ref = _pod_ref(pod, owner.pod_uid)
         name = container_name(pod, owner.container_id)
         if name is None:
             first = self._unlisted.setdefault((owner.pod_uid, owner.container_id), time.monotonic())
@@ -211,6 +230,16 @@ class KnownPods:
             why = self.withheld(owner.pod_uid, name) if self.withheld is not None else None
             return Target(ref, name, owner.container_id, {}, withheld=f"no grant was written for container {name}" + (f" ({why})" if why else ""))
         return Target(ref, name, owner.container_id, {d.uuid: d.limit_bytes for d in grant.devices})
+
+    def _outside_sharing(self, owner: ContainerCgroup) -> Target | str:
+        """A container of a pod outside GPU sharing: granted nothing anywhere (the enforcer judges it only on a GPU
+        KAI shares), named from its pod's status where listed, by its runtime id until then."""
+        pod = self.others().get(owner.pod_uid) if self.others is not None else None
+        if pod is None:
+            return "not a pod known on this node" if self.others is not None else "not a GPU-sharing pod known on this node"
+        name = container_name(pod, owner.container_id) or ""
+        return Target(_pod_ref(pod, owner.pod_uid), name, owner.container_id, {}, outside_sharing=True,
+                      withheld="the pod is outside GPU sharing, and a GPU that KAI shares is for its grant holders only")
 
     def _grant(self, uid: str, container: str) -> Grant | None:
         # Re-read only when the file changed: the grant keeper replaces it by rename, so the inode moves.
@@ -358,6 +387,7 @@ class Enforcer:
         measures: dict[tuple[str, str, str], Measure] = {}
         seen: set[Identity] = set()
         targets: dict[ContainerCgroup, Target | str] = {}  # one lookup per container and poll
+        shared = self.pods.shared_gpus()
         for entry in snap.processes:
             result.by_pid[entry.pid] = result.by_pid.get(entry.pid, 0) + (entry.used_bytes or 0)
             found = identify(self.proc_root, entry.pid)
@@ -376,6 +406,10 @@ class Enforcer:
                 target = targets[owner] = self.pods.target(owner)
             if isinstance(target, str):
                 result.unattributed.append(Unattributed(entry.pid, entry.device_uuid, entry.used_bytes, target))
+                continue
+            if target.outside_sharing and entry.device_uuid not in shared:
+                result.unattributed.append(Unattributed(entry.pid, entry.device_uuid, entry.used_bytes,
+                                                        "a pod outside GPU sharing, on a GPU that KAI does not share"))
                 continue
             key = (*target.key, entry.device_uuid)
             measures.setdefault(key, Measure(target, entry.device_uuid)).processes.append(

@@ -6,6 +6,9 @@ The tenant can edit the ConfigMap in its namespace, so the grant takes the small
 says why; a grant once written is never raised. Missing or invalid inputs mean no grant (libvgpu.so then
 fails closed, and the enforcer holds the container to nothing) and a published reason, also written on
 the pod as a `GrantWithheld` Event.
+
+Every other pod on the node is kept too, by name and container ids only: the enforcer holds their containers to
+nothing on a GPU that KAI shares.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +46,18 @@ from .grant_files import collect_stale, read_grant, remove_grants, write_grant
 log = logging.getLogger(__name__)
 
 _TIMEOUT = aiohttp.ClientTimeout(total=30)
+DEPARTED_GRACE_S = 60.0
+"""How long a pod deleted from the API is still known by its containers: one force-deleted (`--grace-period=0`) is gone
+from the API while the kubelet is still stopping its containers, and what they hold on a shared GPU is no grant holder's."""
+_STATUS_LISTS = ("containerStatuses", "initContainerStatuses", "ephemeralContainerStatuses")
+
+
+def slim_pod(pod: Obj) -> Obj:
+    """What the enforcer needs of a pod outside GPU sharing: its name, and its containers' names by runtime id."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    return {"metadata": {key: meta.get(key) for key in ("namespace", "name", "uid")},
+            "status": {key: [{"name": s.get("name"), "containerID": s.get("containerID")} for s in status.get(key) or [] if isinstance(s, dict)]
+                       for key in _STATUS_LISTS}}
 
 
 # --- the pod source ---------------------------------------------------------------------
@@ -97,6 +113,10 @@ class GrantKeeper:
         self.backoff_max_s = backoff_max_s
         self.stale_grace_s = stale_grace_s
         self.pods: dict[str, _Tracked] = {}
+        # Pod uid -> every other pod bound to the node (slim_pod), KAI's reservation pods apart; one deleted stays
+        # DEPARTED_GRACE_S. Read from the enforcer's worker thread by key only: replaced, never iterated there.
+        self.others: dict[str, Obj] = {}
+        self._departed: dict[str, float] = {}  # pod uid -> when it left the API
         self.waiting: set[str] = set()
         self.synced = asyncio.Event()
         self._api = api
@@ -104,6 +124,10 @@ class GrantKeeper:
 
     async def close(self) -> None:
         await self._api.close()
+
+    def shared_gpus(self) -> frozenset[str]:
+        """The GPUs that KAI's reservation pods on this node hold (their UUIDs, as their programs wrote them)."""
+        return frozenset(device for _, device in list(self.reservations.values()))
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -156,6 +180,8 @@ class GrantKeeper:
             await self.on_pod(pod)
         for uid in [u for u in self.pods if u not in live]:
             await self.on_deleted(self.pods[uid].pod)
+        for uid in [u for u in self.others if u not in live and u not in self._departed]:
+            self._departed[uid] = time.monotonic()  # deleted while the watch was away
         for uid in [u for u in self.reservations if u not in live]:
             del self.reservations[uid]
         stale = await asyncio.to_thread(collect_stale, self.root, live, self.stale_grace_s)
@@ -184,6 +210,7 @@ class GrantKeeper:
     async def _retry_waiting(self) -> None:
         while True:
             await asyncio.sleep(self.retry_s)
+            self._forget_departed()
             for uid in list(self.waiting):
                 tracked = self.pods.get(uid)
                 if tracked is not None:
@@ -205,6 +232,12 @@ class GrantKeeper:
         else:
             self.reservations.pop(uid, None)
 
+    def _forget_departed(self) -> None:
+        now = time.monotonic()
+        for uid in [u for u, at in self._departed.items() if now - at > DEPARTED_GRACE_S]:
+            del self._departed[uid]
+            self.others.pop(uid, None)
+
     async def on_pod(self, pod: Obj) -> None:
         meta = pod.get("metadata") or {}
         uid = str(meta.get("uid") or "")
@@ -212,7 +245,10 @@ class GrantKeeper:
         if self._is_reservation(pod):
             self._note_reservation(pod)
             return
-        if not uid or (pod.get("spec") or {}).get("nodeName") != self.node or not isinstance(annotations, dict) or not is_gpu_sharing(annotations):
+        if not uid or (pod.get("spec") or {}).get("nodeName") != self.node:
+            return
+        if not isinstance(annotations, dict) or not is_gpu_sharing(annotations):
+            self.others[uid] = slim_pod(pod)
             return
         async with self._lock:
             tracked = self.pods.setdefault(uid, _Tracked(pod))
@@ -277,9 +313,14 @@ class GrantKeeper:
         uid = str((pod.get("metadata") or {}).get("uid") or "")
         if not uid:
             return
+        self._forget_departed()
         if self._is_reservation(pod):
             self.reservations.pop(uid, None)  # a grant already written stays: inputs gone never take one back
             return
+        if uid in self.others:
+            # Known by its containers a while longer: the kubelet may still be stopping them (a force deletion).
+            self.others[uid] = slim_pod(pod)
+            self._departed.setdefault(uid, time.monotonic())
         async with self._lock:
             tracked = self.pods.pop(uid, None)
             self.waiting.discard(uid)

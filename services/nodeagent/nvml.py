@@ -191,3 +191,89 @@ class Nvml:
             self._chosen[kind] = (function, record, name)
             return self._chosen[kind]
         return None
+
+
+# --- per-cgroup memory limits (NVML 13.4, driver R615+) -------------------------------------
+
+NVML_ERROR_NOT_FOUND = 6
+MEMORY_LIMIT_MAX = (1 << 64) - 1  # NVML_DEVICE_MEMORY_LIMIT_MAX: "no hard limit"
+
+
+class SetMemoryLimitsV1(ctypes.Structure):
+    """nvmlSetMemoryLimits_v1_t: no version field; nameSpace is the leaf cgroup's full sysfs path."""
+
+    _fields_ = [("nameSpace", ctypes.c_char_p), ("softLimit", ctypes.c_ulonglong), ("hardLimit", ctypes.c_ulonglong)]
+
+
+class GetMemoryLimitsV1(ctypes.Structure):
+    """nvmlGetMemoryLimits_v1_t."""
+
+    _fields_ = [("nameSpace", ctypes.c_char_p), ("softLimit", ctypes.c_ulonglong), ("hardLimit", ctypes.c_ulonglong),
+                ("currentUsed", ctypes.c_ulonglong)]
+
+
+@dataclass(frozen=True)
+class MemoryLimits:
+    """What nvmlDeviceGetMemoryLimits_v1 answered for one device and cgroup."""
+
+    soft_bytes: int
+    hard_bytes: int
+    used_bytes: int
+
+    @property
+    def capped(self) -> bool:
+        return self.hard_bytes != MEMORY_LIMIT_MAX
+
+
+def _limits_call(nvml: Nvml, name: str, record: type[ctypes.Structure]) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    function = nvml._symbol(name)
+    if function is not None:
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.c_void_p, ctypes.POINTER(record)]
+    return function
+
+
+def _handle_of(nvml: Nvml, uuid: str) -> ctypes.c_void_p:
+    by_uuid = nvml._symbol("nvmlDeviceGetHandleByUUID")
+    if by_uuid is None:
+        raise NvmlError(f"{nvml.library} has no nvmlDeviceGetHandleByUUID")
+    handle = ctypes.c_void_p()
+    nvml._check(by_uuid(uuid.encode(), ctypes.byref(handle)), f"nvmlDeviceGetHandleByUUID({uuid})")
+    return handle
+
+
+def can_limit_memory(nvml: Nvml, uuid: str, probe: str) -> bool:
+    """Whether the driver holds per-cgroup limits: it has the entry point and does not answer NOT_SUPPORTED when
+    asked about `probe` (any cgroup v2 directory; NOT_FOUND, no limit there, is a driver that can)."""
+    get = _limits_call(nvml, "nvmlDeviceGetMemoryLimits_v1", GetMemoryLimitsV1)
+    if get is None:
+        return False
+    with nvml._lock:
+        record = GetMemoryLimitsV1(probe.encode(), 0, 0, 0)
+        code = get(_handle_of(nvml, uuid), ctypes.byref(record))
+    return code not in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_FUNCTION_NOT_FOUND)
+
+
+def set_memory_limit(nvml: Nvml, uuid: str, cgroup: str, hard_bytes: int, soft_bytes: int | None = None) -> None:
+    """nvmlDeviceSetMemoryLimits_v1 on the leaf cgroup `cgroup` (full sysfs path); soft defaults to hard, as the
+    toolkit's hook does for a limit alone."""
+    set_limits = _limits_call(nvml, "nvmlDeviceSetMemoryLimits_v1", SetMemoryLimitsV1)
+    if set_limits is None:
+        raise NvmlError(f"{nvml.library} has no nvmlDeviceSetMemoryLimits_v1 (a driver before R615)")
+    with nvml._lock:
+        record = SetMemoryLimitsV1(cgroup.encode(), hard_bytes if soft_bytes is None else soft_bytes, hard_bytes)
+        nvml._check(set_limits(_handle_of(nvml, uuid), ctypes.byref(record)), f"nvmlDeviceSetMemoryLimits_v1({uuid}, {cgroup})")
+
+
+def get_memory_limit(nvml: Nvml, uuid: str, cgroup: str) -> MemoryLimits | None:
+    """The limits the driver holds for `cgroup` on the device; None when it holds none (NOT_FOUND)."""
+    get = _limits_call(nvml, "nvmlDeviceGetMemoryLimits_v1", GetMemoryLimitsV1)
+    if get is None:
+        raise NvmlError(f"{nvml.library} has no nvmlDeviceGetMemoryLimits_v1 (a driver before R615)")
+    with nvml._lock:
+        record = GetMemoryLimitsV1(cgroup.encode(), 0, 0, 0)
+        code = get(_handle_of(nvml, uuid), ctypes.byref(record))
+        if code == NVML_ERROR_NOT_FOUND:
+            return None
+        nvml._check(code, f"nvmlDeviceGetMemoryLimits_v1({uuid}, {cgroup})")
+        return MemoryLimits(record.softLimit, record.hardLimit, record.currentUsed)

@@ -47,6 +47,10 @@ class NodeAgentSettings(_Settings):
                                                                               "contexts (NVML counts it, the library does not); none where "
                                                                               "nothing is granted")
     nvml_library: str = Field(DEFAULT_LIBRARY, min_length=1, description="the NVML library the enforcer loads (soname or path)")
+    nri_socket: Path | None = Field(None, description="the decision socket the NRI plugin (kai-isolator-nri) asks at container "
+                                                     "creation and start; unset = no NRI, the library and the enforcer only")
+    nri_hold_s: float = Field(1.5, gt=0, lt=2.0, description="how long creation waits for a container's grant before refusing (the "
+                                                             "kubelet retries); under containerd's plugin_request_timeout (2 s)")
 
     @field_validator("grant_dir")
     @classmethod

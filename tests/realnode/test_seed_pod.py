@@ -3,78 +3,29 @@ at their shipped defaults (the node's /usr/local/vgpu and /var/lib/kai-isolator 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from real_node_support import HAMI_BUILD, SEED_POD, Node, until
-from kai_isolator.services.admission import dev as admission_dev
-from kai_isolator.services.dev import DevContext
-from kai_isolator.services.nodeagent.agent import NodeAgent
-from kai_isolator.services.nodeagent.settings import NodeAgentSettings
-from kai_isolator.services.verifier import dev as verifier_dev
-from kai_isolator.services.watcher import dev as watcher_dev
-from kai_isolator.shared.bus import connect, provision_stream
+from real_node_support import SEED_POD, Node, isolated, until
 from kai_isolator.shared.contract import DEFAULT_VGPU_MOUNT, INJECT_ANNOTATION, PRELOAD_PATH, VGPU_VOLUME
-from kai_isolator.shared.embedded_nats import EmbeddedNats
 from kai_isolator.shared.fake_gpu import FAKE_CONTEXT_OVERHEAD_BYTES
-from kai_isolator.shared.settings import BusSettings
 
 VENV_BIN = Path(sys.executable).parent  # kubectl finds the kubectl-isolator plugin on PATH
 ISOLATED = "kai-resource-isolator.io/Isolated"
 
 
-@contextlib.asynccontextmanager
-async def services(node: Node, workdir: Path, nats_url: str) -> AsyncIterator[DevContext]:
-    bus = BusSettings(nats_url=nats_url)
-    nc = await connect(bus, nats_url, "real-node-tests")
-    try:
-        await provision_stream(nc.jetstream(timeout=bus.jetstream_timeout_s), bus)
-    finally:
-        await nc.drain()
-    ctx = DevContext(nats_url=nats_url, bus=bus, workdir=workdir)
-    cluster = node.real.cluster
-    gpu = node.real.gpu
-    assert cluster is not None and gpu is not None
-    ctx.values["kubeconfig"] = cluster.kubeconfig
-    async with contextlib.AsyncExitStack() as stack:
-        # The enforcer's NVML is the node's (fake) driver, answering from the node's ledger process beside it, the one
-        # every container's libraries reach through the socket the nvidia runtime binds in.
-        await stack.enter_async_context(admission_dev.component(ctx))
-        registered = await cluster.register_webhook(ctx.values["admission_url"], ctx.values["admission_ca_bundle"], failure_policy="Fail")
-        stack.push_async_callback(cluster.unregister_webhook, registered["metadata"]["name"])  # the tests after this module's
-        await stack.enter_async_context(watcher_dev.component(ctx))
-        await stack.enter_async_context(verifier_dev.component(ctx))
-        settings = NodeAgentSettings(node_name="gpu-node-1", host_root=node.node.root, library=[HAMI_BUILD / "libvgpu.so"],
-                                     kubeconfig=cluster.kubeconfig, nvml_library=str(gpu.driver / "libnvidia-ml.so.1"),
-                                     status_interval_s=5, usage_interval_s=5)
-        agent = NodeAgent(settings, bus)
-        await agent.start(nats_url)
-        stack.push_async_callback(agent.stop)
-        yield ctx
-
-
 @pytest.fixture(scope="module")
 def isolated_node(real_node_session: Node, cuda_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    workdir = tmp_path_factory.mktemp("isolation")
-    nats = EmbeddedNats(workdir / "jetstream")
-    nats.start()
-    running = services(real_node_session, workdir, nats.url)
-    try:
-        real_node_session.loop.run(running.__aenter__(), 120)
+    with isolated(real_node_session, tmp_path_factory.mktemp("isolation")):
         yield real_node_session
-    finally:
-        with contextlib.suppress(Exception):
-            real_node_session.loop.run(running.__aexit__(None, None, None), 60)
-        nats.kill()
 
 
 def test_the_seeds_pod_runs_isolated_in_runc(isolated_node: Node) -> None:

@@ -85,6 +85,36 @@ def test_a_pod_annotation_opts_out(control_plane: ControlPlane, webhook: Running
     assert not _injected(pod)
 
 
+def _naming_gpus(name: str, *, value: str | None = None, init: bool = False, env_from: bool = False) -> str:
+    """A pod that shares no GPU and asks for no nvidia.com/gpu, one container of which (the init one) names GPUs itself."""
+    container: dict[str, Any] = {"name": "main", "image": "busybox", "command": ["sleep", "infinity"]}
+    if value is not None:
+        container["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": value}]
+    if env_from:
+        container["envFrom"] = [{"configMapRef": {"name": "gpus", "optional": True}}]
+    spec: dict[str, Any] = {"containers": [{"name": "app", "image": "busybox"}], "initContainers": [container]} if init else {
+        "containers": [container]}
+    return yaml.safe_dump({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec})
+
+
+def test_a_pod_naming_gpus_for_the_runtime_reaches_the_webhook_and_no_other_does(control_plane: ControlPlane, webhook: RunningWebhook) -> None:
+    """The matchConditions, as the real API server evaluates them (issue 45): at creation, a pod a container of which sets
+    NVIDIA_VISIBLE_DEVICES to anything but void or none is sent to the webhook (under deploy/'s --policy warn: admitted,
+    with the finding as a warning); with the webhook down such a pod is refused, and every other pod that shares no GPU
+    is still created, its values from envFrom included (left to the node's enforcer)."""
+    namespace = make_namespace(control_plane, "naming-gpus")
+    warned = control_plane.kubectl("create", "-n", namespace, "-f", "-", input_text=_naming_gpus("all", value="all"))
+    assert "kai-resource-isolator: container main sets NVIDIA_VISIBLE_DEVICES but asks for no nvidia.com/gpu" in warned.stderr, warned
+    webhook.stop()
+    for name, manifest in (("uuid", _naming_gpus("uuid", value="GPU-0000fa4e-1111-2222-3333-000000000000")),
+                           ("init", _naming_gpus("init", value="all", init=True))):
+        refused = control_plane.kubectl("create", "-n", namespace, "-f", "-", input_text=manifest, check=False)
+        assert refused.returncode != 0 and 'failed calling webhook "vgpu.lib.kai-resource-isolator.io"' in refused.stderr, (name, refused.stderr)
+    for manifest in (_naming_gpus("void", value="void"), _naming_gpus("none", value="none"), _naming_gpus("env-from", env_from=True),
+                     _naming_gpus("nothing")):
+        assert not _injected(_create(control_plane, namespace, manifest))
+
+
 def test_with_the_webhook_down_failure_policy_fail_refuses_only_gpu_sharing_pods(control_plane: ControlPlane, webhook: RunningWebhook) -> None:
     webhook.stop()
     namespace = make_namespace(control_plane, "hook-down")

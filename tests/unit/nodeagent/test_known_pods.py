@@ -41,3 +41,34 @@ def test_a_container_not_in_the_status_is_held_to_nothing_after_the_grace(tmp_pa
 
 def test_a_pod_that_does_not_share_a_gpu_is_never_held(tmp_path: Path) -> None:
     assert pods(tmp_path).target(ContainerCgroup("11111111-2222-3333-4444-555555555555", MAIN)) == "not a GPU-sharing pod known on this node"
+
+
+# --- a GPU that KAI shares is for its grant holders only (issue 45) -------------------------------------------------
+
+OTHER_UID = "22222222-3333-4444-5555-666666666666"
+PLAIN = "d" * 64
+SHARED = GPU
+
+
+def with_others(tmp_path: Path) -> KnownPods:
+    plain = {"metadata": {"namespace": "t", "name": "plain-all", "uid": OTHER_UID},
+             "status": {"containerStatuses": [{"name": "cuda", "containerID": f"containerd://{PLAIN}"}]}}
+    return pods(tmp_path, others=lambda: {OTHER_UID: plain}, shared=lambda: [SHARED])
+
+
+def test_a_container_of_a_pod_outside_gpu_sharing_is_held_to_nothing_by_name(tmp_path: Path) -> None:
+    known = with_others(tmp_path)
+    plain = known.target(ContainerCgroup(OTHER_UID, PLAIN))
+    assert isinstance(plain, Target) and plain.outside_sharing and plain.limits == {}
+    assert (plain.pod.namespace, plain.pod.name, plain.container) == ("t", "plain-all", "cuda")
+    assert "grant holders only" in plain.withheld
+    unlisted = known.target(ContainerCgroup(OTHER_UID, UNLISTED))  # judged before the kubelet lists it: nothing to grant anyway
+    assert isinstance(unlisted, Target) and unlisted.outside_sharing and unlisted.key == (OTHER_UID, f"id-{UNLISTED}")
+    assert known.shared_gpus() == {SHARED}
+    # The GPU-sharing pod's own containers are judged as before.
+    main = known.target(ContainerCgroup(UID, MAIN))
+    assert isinstance(main, Target) and not main.outside_sharing and main.limits == {GPU: 1 << 30}
+
+
+def test_a_pod_the_api_does_not_list_on_the_node_is_left_alone(tmp_path: Path) -> None:
+    assert with_others(tmp_path).target(ContainerCgroup("33333333-4444-5555-6666-777777777777", PLAIN)) == "not a pod known on this node"
