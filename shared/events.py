@@ -159,6 +159,9 @@ class PodIsolation(Payload):
 
 Verdict = Literal["verified", "degraded", "missing", "breached"]
 BreachAction = Literal["killed", "evicted", "warned"]
+# How a node holds grants, and so how one container is held: the driver's per-cgroup cap (R615+, cgroup v2, NRI), or
+# libvgpu.so and the enforcer. The enforcer stays on in both.
+HeldBy = Literal["driver-capped", "library-and-enforcer"]
 
 
 class BreachedProcess(BaseModel):
@@ -196,6 +199,8 @@ class HealthVerdict(Payload):
     observation: str = Field(description="digest of what was observed; the same observation is never re-emitted")
     observed_at: datetime = Field(default_factory=utcnow)
     breach: Breach | None = Field(None, description="set on `breached`: what the driver showed and what the node agent did")
+    held: HeldBy | None = Field(None, description="how the container is held: the driver's cap read back on its leaf, or the "
+                                                  "library and the enforcer; None: not looked at (a verdict without inspection)")
 
     def subject(self) -> str:
         return subjects.health(self.pod.namespace, self.pod.name)
@@ -225,7 +230,7 @@ class NodeStatus(Payload):
     enforcer: Literal["off", "enforcing", "blind"] = Field(
         "off", description="enforcing: the driver's view (NVML) is complete; blind: NVML is missing or failing, nothing is acted on")
     enforcer_problem: str = Field("", description="what keeps the enforcer from holding containers to their grants, if anything")
-    mode: Literal["driver-capped", "library-and-enforcer"] = Field(
+    mode: HeldBy = Field(
         "library-and-enforcer", description="how the node holds grants: the driver's per-cgroup cap set at creation (R615+, cgroup v2, "
                                             "NRI), or the library and the enforcer; the enforcer stays on in both")
 
@@ -382,6 +387,15 @@ class ProcessReport(BaseModel):
                                                                       "None: the driver's view is unavailable")
 
 
+class DriverCap(BaseModel):
+    """The hard limit the driver holds for a container's cgroup v2 leaf on one device, read back through
+    nvmlDeviceGetMemoryLimits_v1 (R615+): an allocation past it fails in the driver."""
+
+    model_config = ConfigDict(frozen=True)
+    uuid: str
+    hard_bytes: int = Field(ge=0)
+
+
 class DriverDeviceUsage(BaseModel):
     """A container's total on one device as the driver (NVML) shows it, and what the node holds it to."""
 
@@ -406,6 +420,8 @@ class InspectReply(Payload):
     driver_view: bool = Field(False, description="device_memory_bytes of each process comes from the driver (NVML)")
     driver_devices: list[DriverDeviceUsage] = Field(default_factory=list, description="with driver_view: the container's total on "
                                                                                        "each device it holds memory on, against its grant")
+    driver_caps: list[DriverCap] = Field(default_factory=list, description="the driver's cap on the container's leaf, read back per "
+                                                                          "device; empty: the driver holds none (library-and-enforcer)")
 
 
 class InstallRequest(Payload):

@@ -70,6 +70,8 @@ class NodeAgentView(BaseModel):
     staged_versions: list[str] = Field(default_factory=list, description="installed, not active")
     self_check: str = "not-run"
     enforcer: str = "off"
+    mode: str = Field("library-and-enforcer", description="how the node holds grants (NodeStatus.mode): driver-capped or "
+                                                          "library-and-enforcer")
     problems: list[str] = Field(default_factory=list)
     gpu_count: int = Field(0, ge=0)
     containers: list[ContainerUsageView] = Field(default_factory=list)

@@ -31,6 +31,7 @@ from kai_isolator.services.verifier import dev as verifier_dev
 from kai_isolator.services.watcher import dev as watcher_dev
 from kai_isolator.shared.bus import connect, provision_stream
 from kai_isolator.shared.embedded_nats import EmbeddedNats
+from kai_isolator.shared.fake_gpu import FakeGpu
 from kai_isolator.shared.settings import BusSettings
 
 HAMI_BUILD = Path(__file__).resolve().parents[1] / "hami-core" / "build"
@@ -190,6 +191,8 @@ async def isolation_services(node: Node, workdir: Path, nats_url: str, nri: bool
     gpu = node.real.gpu
     assert cluster is not None and gpu is not None
     ctx.values["kubeconfig"] = cluster.kubeconfig
+    if nri:  # as the chart sets it with nodeAgent.nri.enabled: GPU-sharing containers need the agent's plugin
+        ctx.values["require_nri_plugin"] = "kai-isolator"
     async with contextlib.AsyncExitStack() as stack:
         # The enforcer's NVML is the node's (fake) driver, answering from the node's ledger process beside it, the one
         # every container's libraries reach through the socket the nvidia runtime binds in.
@@ -379,3 +382,47 @@ def pod_logs(node: Node, namespace: str) -> str:
     names = node.kubectl("get", "pods", "-n", namespace, "-o", "name", check=False).split()
     return "\n".join(node.kubectl("logs", "-n", namespace, name, "--all-containers", "--prefix", "--tail=30", check=False, timeout_s=30)
                      for name in names)
+
+
+# --- the judge: the node's fake driver's ledger ---------------------------------------------------------------------
+
+def ledger(node: Node) -> FakeGpu:
+    """The node's ledger, queried from the host through the socket beside the node's driver (never started here)."""
+    assert node.real.gpu is not None
+    return FakeGpu(node.real.gpu.driver)
+
+
+class LedgerWatch:
+    """The ledger sampled every 20 ms from another thread while an attack runs: the node-wide peak, and how long the
+    node held more than `over` bytes (the time the attacker was over its grant of nothing, as the driver saw it)."""
+
+    PERIOD_S = 0.02
+
+    def __init__(self, gpu: FakeGpu, over: int) -> None:
+        self.gpu, self.over = gpu, over
+        self.peak = 0
+        self.first_over: float | None = None
+        self.last_over: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="ledger-watch", daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.PERIOD_S):
+            total = sum(self.gpu.processes(0).values())
+            self.peak = max(self.peak, total)
+            if total > self.over:
+                now = time.monotonic()
+                self.first_over = self.first_over or now
+                self.last_over = now
+
+    @property
+    def over_s(self) -> float | None:
+        return None if self.first_over is None or self.last_over is None else self.last_over - self.first_over + self.PERIOD_S
+
+    def __enter__(self) -> LedgerWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)

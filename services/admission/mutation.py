@@ -131,3 +131,23 @@ def readiness_gate_ops(view: PodView) -> list[Op]:
     if "readinessGates" not in view.spec:
         return [{"op": "add", "path": "/spec/readinessGates", "value": [gate]}]
     return [{"op": "add", "path": "/spec/readinessGates/-", "value": gate}]
+
+
+REQUIRED_PLUGINS = "required-plugins.noderesource.dev"  # NRI's annotation (pkg/plugin.RequiredPluginsAnnotation)
+
+
+def required_plugin_ops(view: PodView, plugin: str) -> list[Op]:
+    """Ops that make every container of the pod require NRI plugin `plugin`: containerd's default validator then
+    refuses to create it on a node where the plugin is not registered (the agent's plugin gone = fail closed). Set per
+    container (`.../container.<name>`), the scope NRI reads first, so a tenant's own container-scoped value (an empty
+    list) is overwritten rather than winning over a pod-scoped one."""
+    wanted = orjson.dumps([plugin]).decode()
+    annotations = view.annotations
+    ops: list[Op] = []
+    if not isinstance((view.pod.get("metadata") or {}).get("annotations"), dict):
+        ops.append({"op": "add", "path": "/metadata/annotations", "value": {}})
+    for _field, _index, container in view.all_containers():
+        key = f"{REQUIRED_PLUGINS}/container.{container.get('name')}"
+        if annotations.get(key) != wanted:
+            ops.append({"op": "add", "path": "/metadata/annotations/" + key.replace("~", "~0").replace("/", "~1"), "value": wanted})
+    return ops

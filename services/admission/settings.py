@@ -47,6 +47,10 @@ class AdmissionSettings(BaseSettings):
     tls_reload_interval_s: float = Field(2.0, gt=0, description="how often the certificate files are checked for a new pair")
     event_queue_size: int = Field(10_000, ge=1, description="decisions waiting for the bus; beyond this they are dropped and counted")
     publish_concurrency: int = Field(256, ge=1, le=4096, description="decisions sent to the bus and not yet acknowledged, at most")
+    require_nri_plugin: str = Field("", pattern=r"^[a-z0-9-]*$",
+                                    description="the node agent's NRI plugin every container of a GPU-sharing pod requires (NRI's "
+                                                "required-plugins annotation, which containerd's default validator enforces): such a "
+                                                "container is not created on a node where the plugin is not registered; empty = none")
 
     @field_validator("container_vgpu_mount", "state_dir", "grant_dir")
     @classmethod

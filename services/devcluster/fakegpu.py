@@ -158,10 +158,12 @@ class DevicePlugin:
 class FakeGpu:
     """One fake T4 for one node: its driver folder, `nvidia` runtime, device plugin, RuntimeClass and labels."""
 
-    def __init__(self, workdir: Path, memory_mib: int, count: int = 1) -> None:
+    def __init__(self, workdir: Path, memory_mib: int, count: int = 1, driver_branch: int = 580) -> None:
         self.workdir = workdir
         self.memory_mib = memory_mib
         self.count = count
+        # The driver branch the ledger answers as: 580 has no per-cgroup memory limits, 615 has NVML 13.4's.
+        self.driver_branch = driver_branch
         self.driver = workdir / "driver"
         self.runtime = workdir / "nvidia-container-runtime"
 
@@ -195,7 +197,7 @@ class FakeGpu:
 
     def ledger_command(self) -> list[str]:
         """The node's ledger as the node runs it (a process in the node's namespaces, as the kernel driver is the node's)."""
-        return Ledger(self.driver, devices=self.count, total_mib=self.memory_mib).command()
+        return Ledger(self.driver, devices=self.count, total_mib=self.memory_mib, driver_branch=self.driver_branch).command()
 
     def device_plugin_command(self) -> list[str]:
         """The device plugin as the node runs it (a process in the node's namespaces, as a DaemonSet's pod would be)."""

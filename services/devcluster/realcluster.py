@@ -1,7 +1,9 @@
 """`RealNodeCluster`: the local control plane plus kube-controller-manager, kube-scheduler and one real GPU node.
 
 The node runs real pods in runc (see realnode.py); its GPU is faked at the driver level only, as a GPU Operator
-cluster looks to Kubernetes (see fakegpu.py). KAI-Scheduler stays simulated through the API. A DEV AND TEST FIXTURE.
+cluster looks to Kubernetes (see fakegpu.py). Its images come from a real OCI registry on the host's end of its veth
+(oci_registry.py), which its containerd reaches through registry mirrors for docker.io, ghcr.io and nvcr.io.
+KAI-Scheduler stays simulated through the API. A DEV AND TEST FIXTURE.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kai_isolator.shared.errors import ConfigError
 from .build import BuildError, NodeBinaries, cache_root, ensure_node
 from .cluster import DevCluster
 from .fakegpu import FakeGpu
+from .oci_registry import OciRegistry
 from .plane import ControlPlaneError
 from .realnode import PAUSE_IMAGE, NodeAddresses, NodeError, RealNode
 
@@ -36,13 +39,17 @@ CLUSTER_DNS_PORT = 53
 class RealNodeCluster:
     """Start with `async with RealNodeCluster(...)`; `cluster` is the DevCluster (REST, kubectl), `node` the real node."""
 
-    def __init__(self, *, workdir: Path | None = None, build_log: TextIO = sys.stderr) -> None:
+    def __init__(self, *, workdir: Path | None = None, build_log: TextIO = sys.stderr, driver_branch: int = 580) -> None:
         self._own_workdir = workdir is None
+        # The fake driver's branch: 580 (no per-cgroup memory limits, the library and the enforcer hold) or 615 (NVML
+        # 13.4's limits: a node whose agent takes part in creation is driver-capped).
+        self.driver_branch = driver_branch
         self.workdir = Path(tempfile.mkdtemp(prefix="kai-isolator-realnode-")) if workdir is None else Path(workdir)
         self._build_log = build_log
         self.cluster: DevCluster | None = None
         self.node: RealNode | None = None
         self.gpu: FakeGpu | None = None
+        self.registry: OciRegistry | None = None
         self._daemons: dict[str, subprocess.Popen[bytes]] = {}
         self.startup_s: dict[str, float] = {}
 
@@ -68,12 +75,18 @@ class RealNodeCluster:
 
     async def _start(self, binaries: NodeBinaries) -> None:
         addresses = NodeAddresses.pick()
-        self.gpu = FakeGpu(self.workdir / "gpu", GPU_MEMORY_MIB)
+        self.gpu = FakeGpu(self.workdir / "gpu", GPU_MEMORY_MIB, driver_branch=self.driver_branch)
         self.gpu.prepare(cache_root())
+        # The registry listens where the API server does, on the host's end of the node's veth: the one address both the
+        # node's containerd and this machine's clients (helm, the pushes) reach.
+        self.registry = OciRegistry(binaries.registry, self.workdir / "registry", address=addresses.host_ip)
         self.node = RealNode(binaries, self.workdir / "node", name=NODE_NAME, kubeconfig=self.workdir / "kubelet.kubeconfig",
                              ca_file=self.workdir / "cluster" / "plane" / "ca.crt", addresses=addresses, cache=cache_root(),
-                             labels=self.gpu.labels(), runtimes={"nvidia": self.gpu.runtime}, default_runtime="nvidia")
+                             labels=self.gpu.labels(), runtimes={"nvidia": self.gpu.runtime}, default_runtime="nvidia",
+                             registry_hosts=self.workdir / "node" / "registry-hosts")
         await self._timed("node namespaces", asyncio.to_thread(self.node.make_namespaces))
+        await self._timed("registry", asyncio.to_thread(self.registry.start))
+        self.registry.write_mirrors(self.workdir / "node" / "registry-hosts")
         self.node.cluster_dns = addresses.node_ip
         # The API server listens on the host's end of the node's veth, the one address both sides reach.
         self.cluster = DevCluster(workdir=self.workdir / "cluster", nodes={}, listen=f"{addresses.host_ip}:0",
@@ -98,6 +111,19 @@ class RealNodeCluster:
         self.cluster.scheduler.nodes[NODE_NAME] = GPU_MEMORY_MIB
         # The simulated reservation pods run for real here: the node's sandbox program keeps them up.
         self.cluster.scheduler.options = dataclasses.replace(self.cluster.scheduler.options, reservation_image=PAUSE_IMAGE)
+
+    def switch_driver(self, branch: int) -> None:
+        """The node's driver replaced by another branch's, as a driver upgrade (or downgrade) does: the ledger restarts
+        answering as `branch`. Only while no container holds device memory (the books start empty), and the node
+        agent's mode is decided when it starts, so start it after this."""
+        assert self.node is not None and self.gpu is not None
+        if branch == self.gpu.driver_branch:
+            return
+        self.node.stop_daemon("fake-gpu")
+        self.gpu.ledger_socket.unlink(missing_ok=True)
+        self.gpu.driver_branch = self.driver_branch = branch
+        self.node.spawn("fake-gpu", self.gpu.ledger_command())
+        self.node.wait_for_path("fake-gpu", self.gpu.ledger_socket)
 
     def _start_controllers(self, binaries: NodeBinaries) -> None:
         assert self.cluster is not None and self.cluster.plane is not None
@@ -181,6 +207,8 @@ class RealNodeCluster:
         finally:
             for process in self._daemons.values():
                 RealNode.terminate(process)
+            if self.registry is not None:
+                self.registry.stop()
             if self.cluster is not None:
                 await self.cluster.stop()
             if self._own_workdir:

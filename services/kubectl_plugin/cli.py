@@ -166,12 +166,12 @@ async def nodes(kube: Kube, output: str | None) -> int:
     elif not rows:
         print("No GPU nodes found.", file=sys.stderr)
     else:
-        headers = ["NODE", "AGENT", "VERSION", "STAGED", "SELF-CHECK", "ENFORCER", "LAST-SEEN", "CONTAINERS", "GRANTED", "CARD"]
+        headers = ["NODE", "AGENT", "VERSION", "STAGED", "SELF-CHECK", "ENFORCER", "MODE", "LAST-SEEN", "CONTAINERS", "GRANTED", "CARD"]
         table_rows = []
         for r in rows:
             card = mib(r.card_bytes) + (" (over-committed)" if r.overcommitted else "")
             table_rows.append([r.node, r.agent, r.active_version or "<none>", ",".join(r.staged_versions) or "-", r.self_check or "<none>",
-                               r.enforcer or "<none>", age(r.last_seen, now), str(r.containers), mib(r.granted_bytes), card])
+                               r.enforcer or "<none>", r.mode or "<none>", age(r.last_seen, now), str(r.containers), mib(r.granted_bytes), card])
         if output == "wide":
             headers.append("PROBLEMS")
             for table_row, r in zip(table_rows, rows):

@@ -101,6 +101,7 @@ class NodeRow(BaseModel):
     staged_versions: list[str] = Field(default_factory=list)
     self_check: str | None = None
     enforcer: str | None = None
+    mode: str | None = None
     last_seen: datetime | None = None
     containers: int = 0
     granted_bytes: int = 0
@@ -318,6 +319,7 @@ def node_row(node: Obj, now: datetime) -> NodeRow:
     row.agent = "stale" if age > STALE_AGENT_S else "ready" if view.ready else "not-ready"
     row.active_version, row.staged_versions = view.active_version, view.staged_versions
     row.self_check, row.enforcer, row.last_seen, row.problems = view.self_check, view.enforcer, view.last_seen, view.problems
+    row.mode = view.mode
     row.containers = len(view.containers)
     row.granted_bytes = sum(c.grant_bytes or 0 for c in view.containers)
     row.overcommitted = card is not None and row.granted_bytes > card

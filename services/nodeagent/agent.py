@@ -17,8 +17,8 @@ from kai_isolator.shared import kube_events, subjects
 from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.errors import BusError, ConfigError, IsolatorError
 from kai_isolator.shared.events import (
-    Breach, DeviceUsage, InspectReply, InspectRequest, InstallReply, InstallRequest, NodeStatus, PodIsolation, PodRef, ProcessUsage, Reason,
-    UsageReport,
+    Breach, DeviceUsage, DriverCap, InspectReply, InspectRequest, InstallReply, InstallRequest, NodeStatus, PodIsolation, PodRef,
+    ProcessUsage, Reason, UsageReport,
 )
 from kai_isolator.shared.settings import BusSettings
 from kai_isolator.shared.tasks import cancel_all
@@ -89,6 +89,7 @@ class NodeAgent:
         self._nvml: nvml.Nvml | None = None
         self.mode = creation.NodeMode.LIBRARY_AND_ENFORCER  # without NRI: today's path
         self._creation_server: asyncio.AbstractServer | None = None
+        self._gate: creation.CreationGate | None = None
         self.mode_gauge = Gauge("kai_isolator_node_mode", "1 for the way this node holds grants: driver-capped (R615+, cgroup v2, "
                                 "NRI) or library-and-enforcer", ["mode"], registry=registry)
         self.mode_gauge.labels(mode=self.mode.value).set(1)
@@ -196,7 +197,8 @@ class NodeAgent:
                 self.settings.inspect_timeout_s,
             )
             devices = enforce.driver_devices(self.enforcer, request.pod.uid, request.container, self._fresh_s())
-            return enforce.with_driver_view(reply, self._driver_memory(), devices)
+            reply = enforce.with_driver_view(reply, self._driver_memory(), devices)
+            return reply.model_copy(update={"driver_caps": await asyncio.to_thread(self._caps_held, reply)})
         except asyncio.TimeoutError:
             return InspectReply(node_name=self.node, pod=request.pod, container=request.container, found=False, installed_version=active,
                                 message=f"inspection took longer than {self.settings.inspect_timeout_s}s")
@@ -236,6 +238,13 @@ class NodeAgent:
 
     # --- container creation (NRI) -------------------------------------------------------------
 
+    def _caps_held(self, reply: InspectReply) -> list[DriverCap]:
+        """The driver's cap on the container's leaf, read back for the verifier (any of its processes names the leaf)."""
+        if self._gate is None or not reply.processes:
+            return []
+        held = self._gate.caps_held(reply.pod.uid, reply.container, reply.processes[0].pid)
+        return [DriverCap(uuid=uuid, hard_bytes=hard) for uuid, hard in sorted(held.items())]
+
     async def _serve_creation(self, path: object) -> None:
         """The decision socket the NRI plugin asks; the node's mode is decided once, from the driver and the kernel."""
         mount = creation.v2_mount()
@@ -249,6 +258,7 @@ class NodeAgent:
         self.mode_gauge.labels(mode=self.mode.value).set(1)
         gate = creation.CreationGate(self.grant_root, self.mode, driver=driver, mount=mount, proc_root=self.settings.proc_root,
                                      hold_s=self.settings.nri_hold_s)
+        self._gate = gate  # inspect reads the driver's cap back through it
         self._creation_server = await creation.serve(gate, path)  # type: ignore[arg-type]
         log.info("taking part in container creation", extra={"node": self.node, "mode": self.mode.value, "socket": str(path)})
 

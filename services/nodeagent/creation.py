@@ -4,7 +4,8 @@ containerd's NRI library) asks for, one JSON line per question on the agent's un
 - `create` (NRI CreateContainer, before the OCI spec goes to the runtime): hold until the container's grant exists,
   at most `hold_s` (under containerd's plugin request timeout, past which NRI would drop the plugin); past it
   refuse, with the reason the kubelet shows, and the kubelet retries. Strip every `NVIDIA_GPU_MEMORY_*`,
-  `CUDA_DEVICE_MEMORY_*` and `CUDA_MPS_*` the tenant set, and set the grant's values.
+  `CUDA_DEVICE_MEMORY_*` and `CUDA_MPS_*` the tenant set, and set the grant's values; a stripped name the grant has
+  no value for is set empty (see `blanked`: NRI forwards a removal to the OCI spec only for what a plugin added).
 - `start` (NRI StartContainer): runc has made the container's cgroups (on a hybrid host it joins the unified
   hierarchy too) and parked its init at the exec fifo, so the leaf exists and no tenant code has run. On a node
   whose driver holds per-cgroup limits the grant is set as the leaf's hard limit and read back; a failure refuses
@@ -105,6 +106,17 @@ def tenant_names(env: dict[str, str]) -> list[str]:
     return sorted(name for name in env if name.startswith(TENANT_PREFIXES))
 
 
+def blanked(strip: list[str], values: dict[str, str]) -> dict[str, str]:
+    """The values to set: the grant's, and an empty value for every stripped name the grant does not set.
+
+    NRI's runtime side (v0.12.3, vendored by containerd 2.4.2; v0.12.5 alike) merges a plugin's `RemoveEnv` into
+    the request later plugins see and into earlier plugins' additions, but forwards only additions to the adjustment
+    the runtime applies to the OCI spec: a removal of a variable from the pod spec or the image is dropped, while an
+    addition replaces the variable in place. So a tenant's value is overwritten, never merely asked away.
+    """
+    return {**{name: "" for name in strip}, **values}
+
+
 def unified_leaf(proc_root: Path, pid: int, mount: Path) -> Path:
     """The container's cgroup v2 leaf as the kernel names it for its init (`0::` of /proc/<pid>/cgroup), under the
     v2 mount the agent sees; what NVIDIA's toolkit hook does."""
@@ -189,14 +201,15 @@ class CreationGate:
             if names_gpus(env):
                 raise CreationError(f"container {request.container} names GPUs but is not the pod's GPU-sharing container "
                                     f"({(request.annotations or {})[FRACTION_CONTAINER_ANNOTATION]})")
-            return CreationReply(allow=True, remove_env=strip)
+            return CreationReply(allow=True, remove_env=strip, set_env=blanked(strip, {}))
         if not names_gpus(env) and target is None:
-            return CreationReply(allow=True, remove_env=strip)  # no driver is mounted into it: nothing to hold
+            # No driver is mounted into it: nothing to hold.
+            return CreationReply(allow=True, remove_env=strip, set_env=blanked(strip, {}))
         grant = await self._wait_for_grant(request)
         if grant is None:
             raise CreationError(f"no grant yet for {request.namespace}/{request.pod} container {request.container} "
                                 f"after {self.hold_s:.1f}s; creation retried")
-        return CreationReply(allow=True, remove_env=strip, set_env=grant_env(grant))
+        return CreationReply(allow=True, remove_env=strip, set_env=blanked(strip, grant_env(grant)))
 
     def _start(self, request: CreationRequest) -> CreationReply:
         if self.mode is not NodeMode.DRIVER_CAPPED:
@@ -216,6 +229,23 @@ class CreationGate:
         if self.on_capped is not None:
             self.on_capped(request, read_back)
         return CreationReply(allow=True)
+
+    def caps_held(self, pod_uid: str, container: str, pid: int) -> dict[str, int]:
+        """The hard limit the driver holds on the leaf of the container's process `pid`, per device of its grant,
+        read back through nvmlDeviceGetMemoryLimits_v1; empty where the node is not driver-capped, the container has
+        no grant, or the driver holds nothing for its leaf (the verifier then names it library-and-enforcer)."""
+        if self.mode is not NodeMode.DRIVER_CAPPED or self.driver is None or self.mount is None:
+            return {}
+        grant = grant_files.read_grant(self.grant_root, pod_uid, container)
+        if grant is None:
+            return {}
+        try:
+            leaf = str(unified_leaf(self.proc_root, pid, self.mount))
+            held = {d.uuid: nvml.get_memory_limit(self.driver, d.uuid, leaf) for d in grant.devices}
+        except (CreationError, nvml.NvmlError) as error:
+            log.warning("cannot read the driver's cap back", extra={"pod_uid": pod_uid, "container": container, "error": str(error)})
+            return {}
+        return {uuid: limits.hard_bytes for uuid, limits in held.items() if limits is not None}
 
     def _cap(self, uuid: str, leaf: str, hard: int) -> int:
         try:

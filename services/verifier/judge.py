@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 
 from kai_isolator.shared.errors import ConfigError
-from kai_isolator.shared.events import InspectReply, PodIsolation, ProcessReport, Reason, Verdict
+from kai_isolator.shared.events import HeldBy, InspectReply, PodIsolation, ProcessReport, Reason, Verdict
 from kai_isolator.shared.limits import parse_limit
 
 MISSING_CODES = frozenset({"not-injected", "no-limit-granted", "no-preload", "library-not-loaded"})
@@ -21,11 +21,13 @@ MISSING_CODES = frozenset({"not-injected", "no-limit-granted", "no-preload", "li
 class Judgement:
     verdict: Verdict
     reasons: tuple[Reason, ...]
+    held: HeldBy | None = None  # None: judged without a look inside
 
     @property
     def observation(self) -> str:
-        """Digest of the verdict and its reasons: equal observations are one verdict, never two."""
-        body = json.dumps([self.verdict, [(r.code, r.message) for r in self.reasons]], separators=(",", ":"))
+        """Digest of the verdict, its reasons and how the container is held: equal observations are one verdict,
+        never two, and a container whose node starts or stops capping it is a new one."""
+        body = json.dumps([self.verdict, [(r.code, r.message) for r in self.reasons], self.held], separators=(",", ":"))
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
@@ -47,12 +49,19 @@ def judge(pod: PodIsolation, reply: InspectReply, library_path: str) -> Judgemen
     expected = _limit_bytes(pod.expected_limit)
     reasons = [*_preload_reasons(reply, library_path), *_limit_reasons(reply, pod.expected_limit or "", expected), *_usage_reasons(reply, expected)]
     missing = [r for r in reasons if r.code in MISSING_CODES] + _holding_without_library(reply)
-    over = _driver_over_grant(reply, expected)
+    over, held = _driver_over_grant(reply, expected), held_by(reply)
     if over:
-        return Judgement("breached", tuple(over + missing))  # whatever the library says: the driver is the judge
+        # Whatever the library says, and whatever cap the driver reads back: the driver's usage is the judge.
+        return Judgement("breached", tuple(over + missing), held)
     if missing:
-        return Judgement("missing", tuple(missing))
-    return Judgement("degraded" if reasons else "verified", tuple(reasons))
+        return Judgement("missing", tuple(missing), held)
+    return Judgement("degraded" if reasons else "verified", tuple(reasons), held)
+
+
+def held_by(reply: InspectReply) -> HeldBy:
+    """driver-capped where the agent read the driver's cap back on the container's leaf; else the library and the
+    enforcer hold it."""
+    return "driver-capped" if reply.driver_caps else "library-and-enforcer"
 
 
 def _driver_over_grant(reply: InspectReply, expected: int | None) -> list[Reason]:

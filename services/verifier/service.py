@@ -241,7 +241,7 @@ class Verifier:
             return None
         verdict = HealthVerdict(
             pod=pod.pod, node_name=pod.node_name or "", container=container,
-            verdict=judgement.verdict, reasons=list(judgement.reasons), observation=judgement.observation,
+            verdict=judgement.verdict, reasons=list(judgement.reasons), observation=judgement.observation, held=judgement.held,
         )
         await self.runtime.publish(verdict)
         await self._tell_kubernetes(verdict)

@@ -57,7 +57,7 @@ class NodeViews:
         return NodeAgentView(
             node=node, last_seen=seen, ready=status.ready, active_version=status.active_version,
             staged_versions=[v for v in status.installed_versions if v != status.active_version], self_check=status.self_check,
-            enforcer=status.enforcer, problems=list(status.problems), gpu_count=status.gpu_count, containers=rows)
+            enforcer=status.enforcer, mode=status.mode, problems=list(status.problems), gpu_count=status.gpu_count, containers=rows)
 
     async def flush(self) -> int:
         """Write each node whose view changed or whose heartbeat is due; the number written."""

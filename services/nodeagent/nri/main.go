@@ -116,6 +116,9 @@ func (p *plugin) CreateContainer(ctx context.Context, pod *api.PodSandbox, ctr *
 		return nil, nil, err
 	}
 	adjust := &api.ContainerAdjustment{}
+	// The removals keep the tenant's names from the request later NRI plugins see; NRI v0.12.3's runtime side does
+	// not forward them to the OCI spec, so the agent answers a value (empty where the grant has none) for every
+	// name it removes, and the addition, applied after the removal, replaces the variable in place.
 	for _, name := range answer.RemoveEnv {
 		adjust.RemoveEnv(name)
 	}

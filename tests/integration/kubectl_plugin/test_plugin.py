@@ -38,11 +38,12 @@ async def tell(cluster: Cluster, v: HealthVerdict) -> None:
     assert await cluster.notifier.set_condition(v)
 
 
-async def node_view(cluster: Cluster, node: str, pods: list[tuple[dict, int, int]], *, self_check: str = "passed") -> None:  # type: ignore[type-arg]
+async def node_view(cluster: Cluster, node: str, pods: list[tuple[dict, int, int]], *, self_check: str = "passed",  # type: ignore[type-arg]
+                    mode: str = "library-and-enforcer") -> None:
     """The verifier's node view from an agent's status and usage reports, written through the API."""
     views = NodeViews(cluster.notifier)
     views.on_status(NodeStatus(node_name=node, sequence=1, ready=True, active_version="a1b2c3d4e5f6", installed_versions=["a1b2c3d4e5f6", "0f9e8d7c6b5a"],
-                               self_check=self_check, enforcer="enforcing", gpu_count=1))  # type: ignore[arg-type]
+                               self_check=self_check, enforcer="enforcing", gpu_count=1, mode=mode))  # type: ignore[arg-type]
     for pod, grant, used in pods:
         ref = PodRef(namespace=pod["metadata"]["namespace"], name=pod["metadata"]["name"], uid=pod["metadata"]["uid"])
         views.on_usage(UsageReport(pod=ref, node_name=node, container="main", source="driver",
@@ -155,11 +156,13 @@ async def test_nodes_show_versions_agent_and_over_commitment(cluster: Cluster) -
     await cluster.node("gpu-1", memory_mib=8192)
     await cluster.node("gpu-2")
     first, second = await cluster.pod("a"), await cluster.pod("b")
-    await node_view(cluster, "gpu-1", [(first, 6000 * MIB, 0), (second, 6000 * MIB, 0)])
+    await node_view(cluster, "gpu-1", [(first, 6000 * MIB, 0), (second, 6000 * MIB, 0)], mode="driver-capped")
     result = await cluster.plugin("nodes")
     assert result.code == 0, result.err
+    assert result.out.splitlines()[0].split()[5:7] == ["ENFORCER", "MODE"]
     rows = {line.split()[0]: line for line in result.out.splitlines()[1:]}
-    assert rows["gpu-1"].split()[1:8] == ["ready", "a1b2c3d4e5f6", "0f9e8d7c6b5a", "passed", "enforcing", rows["gpu-1"].split()[6], "2"]
+    assert rows["gpu-1"].split()[1:9] == ["ready", "a1b2c3d4e5f6", "0f9e8d7c6b5a", "passed", "enforcing", "driver-capped",
+                                          rows["gpu-1"].split()[7], "2"]
     assert "12000Mi" in rows["gpu-1"] and "8192Mi (over-committed)" in rows["gpu-1"]
     assert rows["gpu-2"].split()[1] == "unseen"
     document = (await cluster.plugin("nodes", "-o", "json")).json()

@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -29,9 +28,9 @@ from kai_isolator.services.admission import dev as admission_dev
 from kai_isolator.services.dev import DevContext
 from kai_isolator.services.devcluster.kai import fake_gpu_uuid
 from kai_isolator.services.nodeagent.agent import NodeAgent
-from kai_isolator.shared.fake_gpu import FAKE_CONTEXT_OVERHEAD_BYTES, FakeGpu
+from kai_isolator.shared.fake_gpu import FAKE_CONTEXT_OVERHEAD_BYTES
 from kai_isolator.shared.operator_view import ISOLATED_CONDITION
-from real_node_support import HAMI_BUILD, Node, gpu_pod, isolated, until
+from real_node_support import HAMI_BUILD, LedgerWatch, Node, gpu_pod, isolated, ledger, until
 
 GIB, MIB = 1 << 30, 1 << 20
 TAKEN = 10 * GIB
@@ -59,12 +58,6 @@ def plain_pod(name: str, image: str, devices: str) -> dict[str, Any]:
                 "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": devices}]}]}}
 
 
-def ledger(node: Node) -> FakeGpu:
-    """The node's ledger, queried from the host through the socket beside the node's driver (never started here)."""
-    assert node.real.gpu is not None
-    return FakeGpu(node.real.gpu.driver)
-
-
 def neighbour_holds_its_gib(node: Node, image: str, agent: NodeAgent) -> None:
     """The seed's setup: a GPU-sharing pod (gpu-memory 2048) holding 1 GiB through the library; KAI's reservation pod for
     its GPU group holds GPU 0, which makes it shared, as the node agent sees it."""
@@ -82,42 +75,6 @@ def neighbour_kept_its_memory(node: Node, besides: int | None = None) -> None:
     assert status["restartCount"] == 0 and "running" in status["state"], status
     held = {pid: used for pid, used in ledger(node).processes(0).items() if pid != besides}
     assert sorted(held.values()) == [GIB + FAKE_CONTEXT_OVERHEAD_BYTES], held
-
-
-class LedgerWatch:
-    """The ledger sampled every 20 ms from another thread while an attack runs: the node-wide peak, and how long the
-    node held more than `over` bytes (the time the attacker was over its grant of nothing, as the driver saw it)."""
-
-    PERIOD_S = 0.02
-
-    def __init__(self, gpu: FakeGpu, over: int) -> None:
-        self.gpu, self.over = gpu, over
-        self.peak = 0
-        self.first_over: float | None = None
-        self.last_over: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, name="ledger-watch", daemon=True)
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.PERIOD_S):
-            total = sum(self.gpu.processes(0).values())
-            self.peak = max(self.peak, total)
-            if total > self.over:
-                now = time.monotonic()
-                self.first_over = self.first_over or now
-                self.last_over = now
-
-    @property
-    def over_s(self) -> float | None:
-        return None if self.first_over is None or self.last_over is None else self.last_over - self.first_over + self.PERIOD_S
-
-    def __enter__(self) -> LedgerWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
 
 def take_through_the_raw_driver(node: Node, pod: str) -> subprocess.CompletedProcess[str]:

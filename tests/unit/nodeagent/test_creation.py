@@ -55,8 +55,10 @@ def test_a_tenants_own_limits_are_stripped_and_the_grants_set(tmp_path: Path) ->
     reply = decide(gate, ask(env=env))
     assert reply.allow
     assert reply.remove_env == ["CUDA_DEVICE_MEMORY_LIMIT_0", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "NVIDIA_GPU_MEMORY_LIMIT"]
+    # A stripped name the grant has no value for is overwritten empty: NRI forwards no removal of the spec's own.
     assert reply.set_env == {"NVIDIA_GPU_MEMORY_LIMIT": "256", "NVIDIA_GPU_MEMORY_REQUEST": "256",
-                             "CUDA_DEVICE_MEMORY_LIMIT": "256m", "CUDA_DEVICE_MEMORY_LIMIT_0": "256m"}
+                             "CUDA_DEVICE_MEMORY_LIMIT": "256m", "CUDA_DEVICE_MEMORY_LIMIT_0": "256m",
+                             "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": ""}
 
 
 def test_creation_waits_for_a_grant_written_meanwhile(tmp_path: Path) -> None:
@@ -84,7 +86,8 @@ def test_a_container_naming_gpus_that_is_not_kais_is_refused_and_one_naming_none
     reply = decide(gate, sidecar)
     assert not reply.allow and "names GPUs but is not the pod's GPU-sharing container (main)" in reply.reason
     plain = ask(container="sidecar", env=["PATH=/bin", "CUDA_MPS_PIPE_DIRECTORY=/tmp"]).model_copy(update={"annotations": annotated})
-    assert decide(gate, plain) == CreationReply(allow=True, remove_env=["CUDA_MPS_PIPE_DIRECTORY"])
+    assert decide(gate, plain) == CreationReply(allow=True, remove_env=["CUDA_MPS_PIPE_DIRECTORY"],
+                                                set_env={"CUDA_MPS_PIPE_DIRECTORY": ""})
 
 
 def test_the_socket_speaks_one_json_line_each_way_and_refuses_what_it_cannot_read(tmp_path: Path) -> None:
@@ -168,6 +171,8 @@ def test_on_r615_the_grant_is_the_leafs_hard_limit_and_the_driver_refuses_past_i
         assert capped == {uuid: GRANT_MIB * MIB}
         held = nvml.get_memory_limit(driver, uuid, str(leaf))
         assert held is not None and (held.soft_bytes, held.hard_bytes) == (GRANT_MIB * MIB, GRANT_MIB * MIB)
+        # What inspect answers the verifier: the cap read back on the leaf of any of the container's processes.
+        assert gate.caps_held("uid-1", "main", init.pid) == {uuid: GRANT_MIB * MIB}
         asked = run(gpu615, "init", "alloc", 512 * MIB, "cuinfo", cgroup=leaf)
         assert rcs(asked, "alloc") == [OUT_OF_MEMORY]
         assert one(asked, "cuinfo")["total"] == GRANT_MIB * MIB
@@ -214,6 +219,8 @@ def test_on_r580_the_node_is_library_and_enforcer_and_start_sets_nothing(gpu580:
         gate = CreationGate(tmp_path, creation.detect_mode(driver, MOUNT), driver=driver, mount=MOUNT)
         assert gate.mode is NodeMode.LIBRARY_AND_ENFORCER
         assert decide(gate, ask(event="start", pid=os.getpid())) == CreationReply(allow=True)
+        grant_files.write_grant(tmp_path, grant_for("uid-1"))
+        assert gate.caps_held("uid-1", "main", os.getpid()) == {}  # nothing to read back: the library and the enforcer hold
     finally:
         driver.close()
     assert creation.detect_mode(None, MOUNT) is NodeMode.LIBRARY_AND_ENFORCER

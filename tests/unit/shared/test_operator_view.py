@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from datetime import datetime, timezone
+
 from kai_isolator.services.kubectl_plugin import views
-from kai_isolator.shared.operator_view import ISOLATED_CONDITION, condition_message, container_of_condition
+from kai_isolator.shared.operator_view import (
+    ISOLATED_CONDITION, NODE_VIEW_ANNOTATION, NodeAgentView, condition_message, container_of_condition,
+)
 
 
 def test_the_condition_names_the_container_it_judged() -> None:
@@ -26,3 +31,16 @@ def test_a_plain_pod_caught_on_a_shared_gpu_is_shown_by_namespace_pod_and_contai
     assert row.requested == "" and views.has_problem([row])
     story = views.story(pod, [], {}, {})
     assert [e.what for e in story.story][:2] == ["Created", "OutsideGpuSharing"]
+
+
+def test_a_nodes_row_shows_how_it_holds_grants_and_an_older_agents_view_reads_as_library_and_enforcer() -> None:
+    now = datetime.now(timezone.utc)
+
+    def node(view: str) -> dict[str, object]:
+        return {"metadata": {"name": "gpu-1", "annotations": {NODE_VIEW_ANNOTATION: view}}}
+
+    capped = NodeAgentView(node="gpu-1", last_seen=now, ready=True, mode="driver-capped").model_dump_json()
+    assert views.node_row(node(capped), now).mode == "driver-capped"
+    older = NodeAgentView(node="gpu-1", last_seen=now, ready=True).model_dump(mode="json")
+    del older["mode"]  # written by a verifier from before the mode was shown
+    assert views.node_row(node(json.dumps(older)), now).mode == "library-and-enforcer"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kai_isolator.services.verifier.judge import judge, judge_unobservable, judge_without_inspection
-from kai_isolator.shared.events import DeviceUsage, DriverDeviceUsage, InspectReply, PodIsolation, PodRef, ProcessReport
+from kai_isolator.shared.events import DeviceUsage, DriverCap, DriverDeviceUsage, InspectReply, PodIsolation, PodRef, ProcessReport
 
 LIB = "/usr/local/vgpu/libvgpu.so"
 POD = PodRef(namespace="team-a", name="train", uid="u-1")
@@ -180,3 +180,16 @@ def test_a_container_granted_nothing_is_breached_by_any_byte_and_the_smaller_lim
     # The node's grant is larger than the scheduler's limit (512 MiB): the smaller one is what the container may hold.
     larger = reply(process(10, device_memory_bytes=GIB)).model_copy(update={"driver_view": True, "driver_devices": [driver(GIB + MIB, 2 * GIB, 0)]})
     assert judge(running(expected_limit="512m"), larger, LIB).verdict == "breached"
+
+
+def test_the_verdict_names_how_the_container_is_held_and_the_driver_still_judges_a_capped_one() -> None:
+    within = reply(process(10, device_memory_bytes=GIB)).model_copy(update={"driver_view": True, "driver_devices": [driver(GIB)]})
+    assert judge(running(), within, LIB).held == "library-and-enforcer"
+    capped = within.model_copy(update={"driver_caps": [DriverCap(uuid="GPU-0", hard_bytes=GIB)]})
+    result = judge(running(), capped, LIB)
+    assert (result.verdict, result.held) == ("verified", "driver-capped")
+    assert result.observation != judge(running(), within, LIB).observation  # capped or not: a new observation
+    # A cap read back does not hide what the driver shows: more than the grant is breached, capped or not.
+    over = capped.model_copy(update={"driver_devices": [driver(2 * GIB)]})
+    assert (judge(running(), over, LIB).verdict, judge(running(), over, LIB).held) == ("breached", "driver-capped")
+    assert judge_without_inspection(running(injected=False)).held is None  # type: ignore[union-attr]
