@@ -41,7 +41,7 @@ test: KAI_PROGRAMS = admission scheduler binder podgrouper resourcereservation
 # A skip fails under make test (--fail-on-skip): make installs everything its tests need, so a skip would hide a
 # missing install step.
 PYTEST_WORKERS ?= 4
-test: host $(STAMP) hami-core contract-tools control-plane promtool real-node kai
+test: host $(STAMP) hami-core contract-tools control-plane promtool real-node release-tools kai
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --fail-on-skip $(PYTEST_ARGS)
 
 # What the tests need from the machine and cannot build: Debian's runc, docker.io, mmdebstrap, ... (installed as root
@@ -95,3 +95,16 @@ bench: $(STAMP) hami-core
 
 clean:
 	rm -rf $(VENV) $(CUDA_WHEEL_DIR) hami-core/build .pytest_cache
+
+.PHONY: release-tools release
+# helm and the OCI registry (CNCF Distribution) that the chart checks, the real node and `make release` run, built from
+# their pinned Go modules in services/devcluster/go and cached like the control plane.
+release-tools: $(STAMP)
+	@$(BIN)/python -m kai_isolator.services.devcluster.build --release-tools
+
+# The release as users receive it: the images built (as `make images` builds them) and pushed to a real OCI registry on
+# a loopback address of its own (storage kept in ~/.cache/kai-isolator/registry), the chart packaged as <version>-chart
+# with those images pinned by digest, `helm lint --strict`ed and `helm push`ed beside them; prints each image's digest
+# and size.
+release: $(STAMP) hami-core control-plane release-tools
+	$(BIN)/python -m kai_isolator.services.devcluster.release

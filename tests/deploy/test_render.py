@@ -66,6 +66,8 @@ def _shape(docs: Docs) -> dict[tuple[str, str], dict]:
     for doc in docs:
         if doc["kind"] == "Namespace":
             continue  # helm installs into a namespace it does not own (--create-namespace)
+        if "test" in doc["metadata"].get("annotations", {}).get("helm.sh/hook", "").split(","):
+            continue  # `helm test`'s pod: created by `helm test` alone, never installed
         entry: dict = {}
         for _, spec in pod_specs([doc]):
             entry = {c["name"]: c.get("args", []) for c in containers(spec)}

@@ -2,7 +2,7 @@
 
 `real_node` starts one `RealNodeCluster` per session (in a thread with its own event loop, so any test, sync or
 async, can use it through kubectl; tests/security/real_node runs on the same one); `cuda_image` is the stand-in for the
-seed's `nvidia/cuda` image, imported into the node's containerd. Pods each test makes are deleted after it.
+seed's `nvidia/cuda` image, pulled from the node's registry. Pods each test makes are deleted after it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""The Helm chart installed on the real node as users install it (`helm install ... --create-namespace` with only image
-and NATS values): every component comes up in runc containers, upstream's kind smoke checks pass on it, a library
-upgrade leaves running pods alone, and `helm uninstall` leaves what deploy/README.md says it leaves."""
+"""The Helm chart installed on the real node as users install it (`helm install kai-resource-isolator
+oci://docker.io/projecthami/kai-resource-isolator --version <version>-chart --create-namespace`, with only NATS values),
+from the node's registry with its images pinned by digest: every component comes up in runc containers, `helm test`
+passes, upstream's kind smoke checks pass on it, a library upgrade leaves running pods alone, and `helm uninstall` leaves
+what deploy/README.md says it leaves."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kai_isolator.services.devcluster.images import docker_env
 from kai_isolator.shared.contract import (
@@ -22,12 +25,13 @@ from kai_isolator.shared.contract import (
     SHARED_CACHE_ENV, STATE_MOUNT_PATH, VGPU_VOLUME,
 )
 from real_node_support import (
-    CHART, CHART_IMAGES, NAMESPACE, RELEASE, Node, chart_release, gpu_pod, helm, import_docker_images, until, workloads,
+    CHART_IMAGES, NAMESPACE, RELEASE, Node, chart_release, gpu_pod, helm, node_helm, published, push_docker_images, until, workloads,
 )
 
 pytestmark = pytest.mark.timeout(600)
 INSTALL_TIMEOUT = "300s"
 NEXT_NODEAGENT = "kai-isolator-nodeagent:next"
+NEXT_TAG = "next-nodeagent"  # beside the release's tags in its repository
 CARRIED_LIBRARY = "/opt/kai-isolator/lib/libvgpu.so"  # values.yaml nodeAgent.libraryPath
 
 
@@ -73,6 +77,44 @@ def test_every_component_comes_up_on_the_real_node(release: Node) -> None:
     webhook = json.loads(node.kubectl("get", "mutatingwebhookconfiguration", f"{RELEASE}-mutating", "-o", "json"))
     assert webhook["webhooks"][0]["clientConfig"].get("caBundle"), webhook["webhooks"][0]["clientConfig"]
     assert not node.kubectl("get", "jobs", "-n", NAMESPACE, "-o", "name").strip()
+
+
+def test_the_release_is_pulled_by_digest_through_the_mirror(release: Node) -> None:
+    """Every image of ours the cluster runs is the published one, by digest, as the chart names it; the node's containerd
+    holds it under that name, pulled from the registry (nothing was imported)."""
+    node = release
+    pinned = {image.pinned for image in published(node).images.values()}
+    pods = json.loads(node.kubectl("get", "pods", "-n", NAMESPACE, "-o", "json"))["items"]
+    ours = {c["image"] for p in pods for c in p["spec"]["containers"] if "projecthami" in c["image"]}
+    assert ours == pinned, (ours, pinned)
+    held = node.node.ctr("images", "list", "-q").stdout.split()
+    for image in published(node).images.values():
+        assert image.by_digest in held, held
+
+
+def test_helm_test_proves_a_gpu_sharing_pod_gets_the_library(release: Node) -> None:
+    """`helm test` passes; and its pod's check tells an injected pod from one that is not: the same pod opted out of
+    injection fails, saying why."""
+    node = release
+    until("the node agent installed the library", lambda: active_library(node), 60)
+    out = helm(node, "test", RELEASE, "-n", NAMESPACE, "--timeout", "180s", timeout_s=240)
+    assert "TEST SUITE:     kai-resource-isolator-test-library" in out and "Phase:          Succeeded" in out, out
+
+    published_release = published(node)
+    rendered = helm(node, "template", RELEASE, published_release.chart, "--version", published_release.chart_version,
+                    *node_helm(node).registry_flags, "-n", NAMESPACE, "--show-only", "templates/tests/library.yaml")
+    pod = yaml.safe_load(rendered)
+    pod["metadata"]["name"] = "library-check-opted-out"
+    pod["metadata"]["annotations"] = {"gpu-memory": pod["metadata"]["annotations"]["gpu-memory"], INJECT_ANNOTATION: "false"}
+    node.apply_pod(pod)
+
+    def finished() -> str | None:
+        phase = node.pod(pod["metadata"]["name"])["status"].get("phase")
+        return phase if phase in ("Succeeded", "Failed") else None
+
+    phase = until("the opted-out check pod finished", finished, 120)
+    logs = node.kubectl("logs", pod["metadata"]["name"])
+    assert phase == "Failed" and "not injected: no /etc/ld.so.preload" in logs, (phase, logs)
 
 
 def test_upstreams_kind_smoke_checks_on_the_chart(release: Node, cuda_image: str) -> None:
@@ -141,7 +183,7 @@ def test_the_webhook_fails_closed(release: Node, cuda_image: str) -> None:
 
 def next_library_image(tmp_path: Path) -> str:
     """A node agent image carrying another build of the library: the same code with a note appended (a new sha256,
-    so a new version to the agents; the loader ignores bytes past the ELF's segments)."""
+    so a new version to the agents; the loader ignores bytes past the ELF's segments). Returns the library's version."""
     env = docker_env()
 
     def docker(*args: str) -> str:
@@ -169,9 +211,12 @@ def test_helm_upgrade_to_a_new_library_leaves_running_pods_alone(release: Node, 
     assert old in node.kubectl("exec", "before-upgrade", "--", "cat", "/proc/1/maps")
 
     version = next_library_image(tmp_path)
-    import_docker_images(node, (NEXT_NODEAGENT,), tmp_path)  # a new image id each run: not worth a cache entry
+    published_release = published(node)
+    [pushed] = push_docker_images(node, {NEXT_NODEAGENT: f"{published_release.chart.removeprefix('oci://')}:{NEXT_TAG}"}).values()
     started = time.monotonic()
-    helm(node, "upgrade", RELEASE, str(CHART), "-n", NAMESPACE, "--reuse-values", "--set", "nodeAgent.image.tag=next",
+    helm(node, "upgrade", RELEASE, published_release.chart, "--version", published_release.chart_version, *node_helm(node).registry_flags,
+         "-n", NAMESPACE,
+         "--reuse-values", "--set", f"nodeAgent.image.tag={NEXT_TAG}", "--set", f"nodeAgent.image.digest={pushed.digest}",
          "--set", f"installer.rollout.version={version}", "--wait", "--timeout", INSTALL_TIMEOUT, timeout_s=360)
     new = until("the rollout made the new version active", lambda: (active := active_library(node)) != old and active, 180)
     assert new.endswith(f".{version}"), (new, version)

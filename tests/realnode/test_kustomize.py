@@ -1,19 +1,22 @@
-"""The manifests applied on the real node as users apply them (`kubectl apply -k deploy/kustomize/overlays/dev`): every
-component comes up in runc containers, the certs Job completes, and a GPU-sharing pod runs with the library mapped."""
+"""The manifests applied on the real node as users apply them (`kubectl apply -k` of the dev overlay, its images pinned
+to the published release by digest as a user pins them with kustomize, pulled from the node's registry): every component
+comes up in runc containers, the certs Job completes, and a GPU-sharing pod runs with the library mapped."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kai_isolator.services.devcluster.plane import ControlPlaneError
 from kai_isolator.shared.contract import DEFAULT_VGPU_MOUNT
-from real_node_support import CHART_IMAGES, DEV_OVERLAY, NAMESPACE, Node, gpu_pod, import_docker_images, nats_volume, pod_logs, until, workloads
+from real_node_support import DEV_OVERLAY, NAMESPACE, Node, gpu_pod, nats_volume, pod_logs, published, until, workloads
 
 pytestmark = pytest.mark.timeout(600)
 NATS_VOLUME = "kai-isolator-kustomize-nats"
@@ -24,14 +27,27 @@ def _pods_of_each_test_go(real_node: Node) -> None:
     """Through `real_node`: the pods each test applied are deleted after it."""
 
 
+def pinned_overlay(node: Node, folder: Path) -> Path:
+    """A kustomization over the dev overlay naming the published images by digest (`kustomize edit set image
+    kai-isolator=docker.io/projecthami/kai-resource-isolator@sha256:...`, as a user pins a release)."""
+    release = published(node)
+    pins = {"kai-isolator": release.images["image"], "kai-isolator-nodeagent": release.images["nodeAgent.image"]}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(DEV_OVERLAY, folder)],  # kustomize takes no absolute paths
+        "images": [{"name": name, "newName": image.reference.rsplit(":", 1)[0], "digest": image.digest} for name, image in pins.items()]}))
+    return folder
+
+
 @pytest.fixture(scope="module")
-def applied(real_node_session: Node, chart_images: None) -> Iterator[Node]:
+def applied(real_node_session: Node, chart_images: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     node = real_node_session
-    import_docker_images(node, CHART_IMAGES, Path.home() / ".cache" / "kai-isolator" / "node-images")
+    overlay = pinned_overlay(node, tmp_path_factory.mktemp("pinned-overlay"))
     nats_volume(node, NATS_VOLUME)
     started = time.monotonic()
     try:
-        node.kubectl("apply", "-k", str(DEV_OVERLAY), timeout_s=120)
+        node.kubectl("apply", "-k", str(overlay), timeout_s=120)
         # The Job first: the webhook's pods mount the Secret it creates.
         node.kubectl("wait", "--for=condition=complete", "job/kai-resource-isolator-certs", "-n", NAMESPACE, "--timeout=180s", timeout_s=200)
         for name in workloads(node, NAMESPACE):
@@ -43,12 +59,15 @@ def applied(real_node_session: Node, chart_images: None) -> Iterator[Node]:
     try:
         yield node
     finally:
-        node.kubectl("delete", "-k", str(DEV_OVERLAY), "--ignore-not-found", "--wait=true", check=False, timeout_s=180)
+        node.kubectl("delete", "-k", str(overlay), "--ignore-not-found", "--wait=true", check=False, timeout_s=180)
         node.kubectl("delete", "pv", NATS_VOLUME, "--ignore-not-found", check=False)
 
 
 def test_every_component_comes_up_on_the_real_node(applied: Node) -> None:
     node = applied
+    pinned = {image.by_digest for image in published(node).images.values()}
+    pods = json.loads(node.kubectl("get", "pods", "-n", NAMESPACE, "-o", "json"))["items"]
+    assert {c["image"] for p in pods for c in p["spec"]["containers"] if "projecthami" in c["image"]} == pinned
     names = set(workloads(node, NAMESPACE))
     expected = {f"deployment.apps/kai-resource-isolator-{c}" for c in ("webhook", "watcher", "verifier")}
     assert expected | {"daemonset.apps/kai-resource-isolator-nodeagent", "statefulset.apps/nats"} <= names, names

@@ -40,14 +40,23 @@ app.kubernetes.io/component: {{ .component }}
 {{ include "kri.selector" . }}
 {{- end -}}
 
-{{/* An image reference: (dict "ctx" $ "image" .Values.image) */}}
+{{/* An image reference: (dict "ctx" $ "image" .Values.image), and "suffix" "-nodeagent" for an image whose
+     default tag is the appVersion with a suffix. A digest pins it: <registry>/<repository>:<tag>@<digest>, the tag
+     kept so a reader sees which release it is; the runtime pulls by the digest. */}}
 {{- define "kri.image" -}}
 {{- $registry := default .image.registry .ctx.Values.global.imageRegistry -}}
-{{- $tag := default .ctx.Chart.AppVersion .image.tag -}}
+{{- $tag := default (printf "%s%s" .ctx.Chart.AppVersion (get . "suffix")) .image.tag -}}
+{{- $name := .image.repository -}}
 {{- if $registry -}}
-{{- printf "%s/%s:%s" $registry .image.repository $tag -}}
+{{- $name = printf "%s/%s" $registry .image.repository -}}
+{{- end -}}
+{{- if .image.digest -}}
+{{- if not (regexMatch "^sha256:[0-9a-f]{64}$" .image.digest) -}}
+{{- fail (printf "an image digest must be sha256:<64 hex digits>, got %q" .image.digest) -}}
+{{- end -}}
+{{- printf "%s:%s@%s" $name $tag .image.digest -}}
 {{- else -}}
-{{- printf "%s:%s" .image.repository $tag -}}
+{{- printf "%s:%s" $name $tag -}}
 {{- end -}}
 {{- end -}}
 
