@@ -11,8 +11,14 @@ stored and duplicated (none should be missing or twice). The client uses the ser
 The same faults under the watcher's pipelined publishing (its AckPipeline, `--lanes` publishes in flight,
 each retried as the watcher retries), with what awaits its ack sent again on a lost connection, and
 without (the baseline: each waits out the ack timeout), interleaved per fault.
-Run: .venv/bin/python bench/cluster.py [--events N] [--rounds R] [--fault-s S] [--ping-interval-s P] [--jetstream-timeout-s T]
-     [--lanes L] [--only steady,sequential,pipelined]
+A server kept down (`--down-s`, 60 s: a NATS pod lost with its node): the stream's leader, a KV bucket's
+leader, then the server the client is connected to, each SIGKILLed and kept down while one client
+publishes one event at a time, writes and reads a KV key and handles the events on a durable consumer.
+For each: the longest publish, KV operation and publish -> handler wait while the server was down, the
+client's failover (its server killed -> connected to another), and what reached the stream; each
+figure beside a no-fault run of the same loop in the same run, and their ratio.
+Run: .venv/bin/python bench/cluster.py [--events N] [--rounds R] [--fault-s S] [--down-s D] [--ping-interval-s P]
+     [--jetstream-timeout-s T] [--lanes L] [--only steady,sequential,pipelined,down]
 """
 
 from __future__ import annotations
@@ -28,17 +34,21 @@ from pathlib import Path
 
 import nats
 import nats.errors
-from nats.js.api import AckPolicy, ConsumerConfig
+from nats.aio.msg import Msg
 
 from kai_isolator.services.watcher.acks import AckPipeline
 from kai_isolator.services.watcher.settings import WatcherSettings
 from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import HEADERS_CONTENT_TYPE, Runtime
 from kai_isolator.shared.embedded_nats import ClusterMember, EmbeddedCluster, EmbeddedNats
-from kai_isolator.shared.events import PodIsolation, PodRef, encode
+from kai_isolator.shared.events import PodIsolation, PodRef, decode, encode
 from kai_isolator.shared.settings import BusSettings
+from kai_isolator.shared.tail import read_stream
 
 IN_FLIGHT = 256
+DOWN_BUCKET = "bench_down"
+DOWN_FAULTS = ("stream leader", "bucket leader", "client's server")
+BASELINE_S = 10.0
 _ids = itertools.count()  # one sequence for the whole run: the duplicate window must swallow no publish
 
 
@@ -126,23 +136,8 @@ async def stream_leader(cluster: EmbeddedCluster) -> ClusterMember:
 
 
 async def stored_ids(url: str) -> list[str]:
-    """resource_versions of every pod event in the stream (an ephemeral consumer, read to the end)."""
-    from kai_isolator.shared.events import decode
-
-    nc = await nats.connect(url.split(","))
-    try:
-        psub = await nc.jetstream(timeout=5).pull_subscribe(subjects.ALL_PODS, stream=subjects.STREAM_NAME,
-                                                            config=ConsumerConfig(ack_policy=AckPolicy.ALL))
-        found: list[str] = []
-        while True:
-            try:
-                batch = await psub.fetch(1000, timeout=2)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                return found
-            found += [decode(m.data)[1].resource_version for m in batch]  # type: ignore[attr-defined]
-            await batch[-1].ack()
-    finally:
-        await nc.close()
+    """resource_versions of every pod event in the stream."""
+    return [decode(m.data)[1].resource_version for m in await read_stream(url, subjects.ALL_PODS)]  # type: ignore[attr-defined]
 
 
 async def fault(cluster: EmbeddedCluster, settings: BusSettings, name: str, client_on_victim: bool, fault_s: float) -> dict[str, object]:
@@ -249,8 +244,133 @@ async def pipelined_fault(cluster: EmbeddedCluster, settings: BusSettings, name:
             "sent": len(sent), "stored": len(set(stored)), "twice": len(stored) - len(set(stored))}
 
 
-async def main(count: int, rounds: int, fault_s: float, ping_interval_s: float | None, jetstream_timeout_s: float | None,
-               lanes: int, only: set[str]) -> None:
+@dataclass
+class Outage:
+    """What one client met while a server was down (or, for the baseline, over as long without a fault)."""
+
+    fault: str
+    victim: str = ""
+    elected_s: float | None = None
+    consumer_elected_s: float | None = None
+    publish_s: float = 0.0
+    kv_s: float = 0.0
+    handler_s: float = 0.0
+    failover_s: float | None = None
+    sent: int = 0
+    stored: int = 0
+    twice: int = 0
+
+
+async def outage(cluster: EmbeddedCluster, settings: BusSettings, fault: str | None, seconds: float) -> Outage:
+    """One publish, one KV put and get at a time for `seconds`, a durable consumer handling the events; with `fault`
+    (one of DOWN_FAULTS) that server SIGKILLed first and started again only after `seconds`."""
+    stream = (await stream_leader(cluster)).server_name
+    bucket = (await cluster.step_down(f"KV_{DOWN_BUCKET}", {stream})).server_name
+    victim = {"stream leader": stream, "bucket leader": bucket}.get(fault or "")
+    if fault == "client's server":
+        victim = next(m.server_name for m in cluster.members if m.server_name not in (stream, bucket))
+    killed = cluster.member(victim) if victim else None
+    # The client's server: the client is given that one alone (it learns the others from it, as behind a Service).
+    url = killed.url if fault == "client's server" and killed else ",".join(m.url for m in cluster.members if m is not killed)
+    acked: dict[str, float] = {}
+    handled: dict[str, float] = {}
+
+    async def handler(pod: PodIsolation) -> None:
+        handled.setdefault(pod.resource_version, time.monotonic())
+
+    runtime = Runtime("bench-down", settings, kv_buckets=[DOWN_BUCKET])
+    consumer = f"bench-down-handler-{next(_ids)}"
+    runtime.on_event(consumer.removeprefix("bench-down-"), subjects.ALL_PODS, handler, new_only=True)
+    await runtime.start(url)
+    kv = runtime.kv(DOWN_BUCKET)
+    await kv.put("probe", b"start")
+    result = Outage(fault or "no fault (baseline)", victim or "")
+    led = {"stream leader": subjects.STREAM_NAME, "bucket leader": f"KV_{DOWN_BUCKET}"}.get(fault or "")
+    observer = await nats.connect([m.url for m in cluster.members if m is not killed], connect_timeout=2)
+
+    async def elected(msg: Msg) -> None:  # the new leader of what the victim led, as the cluster announces it
+        if result.elected_s is None and msg.subject.endswith(f"STREAM.LEADER_ELECTED.{led}"):
+            result.elected_s = time.monotonic() - started
+        if result.consumer_elected_s is None and msg.subject.endswith(f".{consumer}"):
+            result.consumer_elected_s = time.monotonic() - started
+
+    async def failover(started: float) -> None:
+        assert killed is not None
+        while runtime.connection.connected_url is None or runtime.connection.connected_url.port == killed.port \
+                or not runtime.connection.is_connected:
+            await asyncio.sleep(0.005)
+        result.failover_s = time.monotonic() - started
+
+    async def one_round() -> tuple[float, float]:
+        """(a publish's wait, a KV put and get's wait)."""
+        pod = event()
+        begun = time.monotonic()
+        await runtime.publish(pod)
+        acked[pod.resource_version] = time.monotonic()
+        published = acked[pod.resource_version] - begun
+        begun = time.monotonic()
+        while True:  # a read and a compare-and-set, as a lease or a verifier claim; asked again at once when it fails
+            try:
+                entry = await kv.get("probe")
+                await kv.update("probe", pod.resource_version.encode(), last=entry.revision)
+                break
+            except (nats.errors.Error, asyncio.TimeoutError):  # a refused compare-and-set too: an earlier copy landed
+                await asyncio.sleep(0.1)
+        await asyncio.sleep(0.05)
+        return published, time.monotonic() - begun
+
+    warm_until = time.monotonic() + 1.0  # a connection made a moment ago is retried only after reconnect_time_wait
+    while time.monotonic() < warm_until:
+        await one_round()
+    if killed is not None:
+        killed.kill()
+    started = time.monotonic()
+    if killed is not None:  # after the kill: an election takes seconds, and one left over from the step-down must not count
+        await observer.subscribe("$JS.EVENT.ADVISORY.*.LEADER_ELECTED.>", cb=elected)
+    watch = asyncio.create_task(failover(started)) if fault == "client's server" else None
+    while time.monotonic() - started < seconds:
+        published, kv_wait = await one_round()
+        result.publish_s, result.kv_s = max(result.publish_s, published), max(result.kv_s, kv_wait)
+    if watch is not None:
+        await watch
+    if killed is not None:
+        await asyncio.to_thread(killed.start)
+    settled = time.monotonic() + 30  # a bound on the handler catching up, not a speed figure
+    while len(handled) < len(acked) and time.monotonic() < settled:
+        await asyncio.sleep(0.05)
+    await runtime.stop()
+    await observer.close()
+    ends = time.monotonic()
+    # Every event, those of the second before the kill too: one delivered by a leader as it died waits for its redelivery.
+    result.handler_s = max(handled.get(rv, ends) - at for rv, at in acked.items())
+    ours = set(acked)
+    stored = [i for i in await stored_ids(cluster.url) if i in ours]
+    result.sent, result.stored, result.twice = len(acked), len(set(stored)), len(stored) - len(set(stored))
+    return result
+
+
+def print_outages(baseline: Outage, outages: list[Outage], down_s: float) -> None:
+    print(f"\na server kept down {down_s:g} s (SIGKILL, started again after): the longest wait while it was down, one client "
+          f"publishing, reading and compare-and-setting a KV key, handling; x = ratio to the no-fault run of {BASELINE_S:g} s; "
+          "elected: the new leader of what the victim led, and of the handler's consumer if it led that, announced "
+          "(JetStream's own elections: the floor of a stall)")
+    print(f"{'fault':<22}{'victim':<8}{'elected':>9}{'publish':>9}{'x':>7}{'kv op':>9}{'x':>7}{'consumer':>10}{'handler':>9}{'x':>7}"
+          f"{'failover':>10}{'sent':>7}{'stored':>8}{'twice':>7}")
+
+    def ratio(value: float, base: float) -> str:
+        return f"{value / max(base, 1e-6):>6.0f}x"
+
+    for o in [baseline, *outages]:
+        failover = f"{o.failover_s:>9.2f}s" if o.failover_s is not None else f"{'-':>10}"
+        elected = f"{o.elected_s:>8.2f}s" if o.elected_s is not None else f"{'-':>9}"
+        consumer = f"{o.consumer_elected_s:>9.2f}s" if o.consumer_elected_s is not None else f"{'-':>10}"
+        print(f"{o.fault:<22}{o.victim:<8}{elected}{o.publish_s:>8.3f}s{ratio(o.publish_s, baseline.publish_s)}{o.kv_s:>8.3f}s"
+              f"{ratio(o.kv_s, baseline.kv_s)}{consumer}{o.handler_s:>8.3f}s{ratio(o.handler_s, baseline.handler_s)}{failover}"
+              f"{o.sent:>7}{o.stored:>8}{o.twice:>7}")
+
+
+async def main(count: int, rounds: int, fault_s: float, down_s: float, ping_interval_s: float | None,
+               jetstream_timeout_s: float | None, lanes: int, only: set[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="kai-bench-cluster-") as store:
         single = EmbeddedNats(Path(store) / "single")
         cluster = EmbeddedCluster(Path(store) / "cluster")
@@ -268,13 +388,15 @@ async def main(count: int, rounds: int, fault_s: float, ping_interval_s: float |
             for r in range(rounds if "steady" in only else 0):  # interleaved, so drift in machine load hits both alike
                 await steady_round(single.url, one, count, results["one server (R1)"], f"one-{r}")
                 await steady_round(cluster.url, three, count, results["3-node cluster (R3)"], f"three-{r}")
-            setup = Runtime("bench-setup", three)  # the stream, when no steady round made it
+            setup = Runtime("bench-setup", three, kv_buckets=[DOWN_BUCKET])  # the stream, when no steady round made it
             await setup.start(cluster.url)
             await setup.stop()
             kinds = [(name, on_victim) for name in ("leader SIGKILL", "follower SIGKILL", "leader SIGSTOP") for on_victim in (False, True)]
             faults = [await fault(cluster, three, name, on_victim, fault_s) for name, on_victim in kinds if "sequential" in only]
             pipelined = [await pipelined_fault(cluster, three, name, on_victim, fault_s, lanes, resend)
                          for name, on_victim in kinds if "pipelined" in only for resend in (False, True)]
+            baseline = await outage(cluster, three, None, BASELINE_S) if "down" in only else None
+            outages = [await outage(cluster, three, name, down_s) for name in DOWN_FAULTS if "down" in only]
         finally:
             single.stop()
             cluster.stop()
@@ -286,6 +408,8 @@ async def main(count: int, rounds: int, fault_s: float, ping_interval_s: float |
             print_faults("publishing one at a time (Runtime.publish)", faults)
         if pipelined:
             print_pipelined(pipelined, lanes)
+        if baseline is not None:
+            print_outages(baseline, outages, down_s)
 
 
 def print_steady(results: dict[str, Steady], rounds: int, count: int) -> None:
@@ -326,11 +450,12 @@ if __name__ == "__main__":
     parser.add_argument("--events", type=int, default=1000, help="sequential publishes per round and kind (x4 for events/s)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fault-s", type=float, default=20.0, help="how long each fault lasts before the server is back")
+    parser.add_argument("--down-s", type=float, default=60.0, help="how long each server stays down in the kept-down part")
     parser.add_argument("--ping-interval-s", type=float, default=None, help="client ping interval (default: the services' default)")
     parser.add_argument("--jetstream-timeout-s", type=float, default=None,
                         help="how long one publish waits for its ack before retrying (default: the services' default)")
     parser.add_argument("--lanes", type=int, default=16, help="pipelined publishes in flight for the watcher's fault rows")
-    parser.add_argument("--only", default="steady,sequential,pipelined", help="which parts to run, comma separated")
+    parser.add_argument("--only", default="steady,sequential,pipelined,down", help="which parts to run, comma separated")
     options = parser.parse_args()
-    asyncio.run(main(options.events, options.rounds, options.fault_s, options.ping_interval_s, options.jetstream_timeout_s,
-                     options.lanes, set(options.only.split(","))))
+    asyncio.run(main(options.events, options.rounds, options.fault_s, options.down_s, options.ping_interval_s,
+                     options.jetstream_timeout_s, options.lanes, set(options.only.split(","))))

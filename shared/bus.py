@@ -3,7 +3,8 @@
 The runtime connects (and reconnects), provisions the stream and KV buckets, binds event
 handlers to durable pull consumers and request handlers to request/reply subjects, decodes
 and validates, acks / naks with backoff / dead-letters, publishes with de-duplication ids,
-serves the probes and drains on SIGTERM or SIGINT.
+serves the probes and drains on SIGTERM or SIGINT. Its JetStream context and KV buckets ride out
+a lost server's leader elections (shared/failover.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from . import subjects
 from .errors import BusError, DecodeError, FencedError, NotYet
 from .events import DeadLetter, ErrorReply, Payload, decode, encode
+from .failover import ECHO_S, LEADER_ELECTED, ElectionAwareJetStream, Healing
 from .probes import ProbeServer
 from .settings import BusSettings, nats_servers
 from .tasks import cancel_all
@@ -100,6 +102,8 @@ class _Metrics:
         self.handler_seconds = Histogram("kai_isolator_bus_handler_seconds", "Handler run time", ["handler"], registry=r)
         self.published = Counter("kai_isolator_bus_published", "Events published, by outcome", ["outcome"], registry=r)
         self.connected = Gauge("kai_isolator_bus_connected", "1 while connected to NATS", registry=r)
+        self.healed = Counter("kai_isolator_bus_failover_signals", "Moments waiting bus calls went on: a JetStream leader elected, "
+                              "the connection back on a server", ["cause"], registry=r)
 
 
 class Runtime:
@@ -115,7 +119,9 @@ class Runtime:
         self._requests: list[RequestBinding] = []
         self._broadcasts: list[RequestBinding] = []
         self._nc: NatsClient | None = None
-        self._js: JetStreamContext | None = None
+        self._js: ElectionAwareJetStream | None = None
+        self.healing = Healing()
+        """Wakes what waits on the cluster (a retry, an unanswered call) when a leader is elected or the connection is back."""
         self._kv: dict[str, KeyValue] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._pull_subscriptions: list[JetStreamContext.PullSubscription] = []
@@ -123,6 +129,9 @@ class Runtime:
         self._in_flight: set[asyncio.Task[None]] = set()
         self._readiness_checks: list[Callable[[], str | None]] = []
         self._disconnect_listeners: list[Callable[[], Awaitable[None]]] = []
+        self._heal_listeners: list[Callable[[], Awaitable[None]]] = []
+        self._echo: asyncio.Task[None] | None = None
+        self._echo_at = 0.0
 
     # --- binding ------------------------------------------------------------------------
 
@@ -142,6 +151,18 @@ class Runtime:
         def forget() -> None:
             if listener in self._disconnect_listeners:
                 self._disconnect_listeners.remove(listener)
+
+        return forget
+
+    def on_healed(self, listener: Callable[[], Awaitable[None]]) -> Callable[[], None]:
+        """Await `listener` each time a JetStream leader is elected or the connection is back, until the function
+        returned is called: a pipelined sender sends again what still awaits its ack (its stream may have a new
+        leader that never saw it) rather than wait out its ack timeout."""
+        self._heal_listeners.append(listener)
+
+        def forget() -> None:
+            if listener in self._heal_listeners:
+                self._heal_listeners.remove(listener)
 
         return forget
 
@@ -181,7 +202,11 @@ class Runtime:
         if self._probe:
             await self._probe.start()
         self._nc = await self._connect(url)
-        self._js = self._nc.jetstream(timeout=self.settings.jetstream_timeout_s)
+        self._js = ElectionAwareJetStream(self._nc, self.healing, timeout=self.settings.jetstream_timeout_s,
+                                          election_wait_s=self.settings.nats_election_wait_s)
+        # Every new stream or consumer leader is a moment to go on. A user not allowed these advisories gets a
+        # permissions error here and nothing more: calls then poll for the new leader instead.
+        await self._nc.subscribe(LEADER_ELECTED, cb=self._on_leader_elected)
         await self._provision()
         for binding in self._events:
             psub = await self._bind_consumer(binding)
@@ -200,6 +225,8 @@ class Runtime:
         if self._stopping.is_set():
             return
         self._stopping.set()
+        if self._echo is not None:
+            await cancel_all([self._echo])
         for task in self._tasks:
             await task
         for psub in self._pull_subscriptions:
@@ -236,17 +263,48 @@ class Runtime:
 
     async def _on_reconnect(self) -> None:
         self.metrics.connected.set(1)
-        log.info("reconnected to NATS", extra={"service": self.service})
+        log.info("reconnected to NATS", extra={"service": self.service, "server": _server_of(self._nc)})
+        await self._heal("reconnected")
+
+    async def _on_leader_elected(self, msg: Msg) -> None:
+        log.debug("JetStream leader elected", extra={"service": self.service, "advisory": msg.subject})
+        await self._heal("leader_elected")
+
+    async def _heal(self, cause: str) -> None:
+        self.metrics.healed.labels(cause).inc()
+        await self._go_on(reconnected=cause == "reconnected")
+        # Once more a moment after the last signal of a burst: a leader just elected may not yet serve what reaches it
+        # (seen: a KV read sent at the advisory unanswered for the whole JetStream timeout).
+        self._echo_at = time.monotonic() + ECHO_S
+        if (self._echo is None or self._echo.done()) and not self._stopping.is_set():
+            self._echo = asyncio.create_task(self._go_on_later(), name=f"{self.service}-failover-echo")
+
+    async def _go_on(self, reconnected: bool = False) -> None:
+        self.healing.heal(reconnected=reconnected)
+        for listener in list(self._heal_listeners):
+            try:
+                await listener()
+            except Exception:  # noqa: BLE001 - one listener's failure must not keep the others waiting
+                log.exception("failover listener failed", extra={"service": self.service})
+
+    async def _go_on_later(self) -> None:
+        while (wait_s := self._echo_at - time.monotonic()) > 0:  # moved on by each signal of the burst
+            await asyncio.sleep(wait_s)
+        await self._go_on()
 
     async def _on_error(self, error: Exception) -> None:
         log.debug("NATS client error", extra={"service": self.service, "error": repr(error)})
 
     async def _provision(self) -> None:
-        """Create or update the stream and KV buckets; safe to run from every replica at once."""
-        assert self._js is not None
-        await provision_stream(self._js, self.settings)
+        """Create or update the stream and KV buckets; safe to run from every replica at once.
+
+        With nats-py's own context: provisioning has its own bounded retries (PROVISION_ATTEMPTS); the buckets it
+        returns go through the runtime's, so their reads and writes ride out an election."""
+        assert self._nc is not None and self._js is not None
+        plain = self._nc.jetstream(timeout=self.settings.jetstream_timeout_s)
+        await provision_stream(plain, self.settings)
         for bucket in self.kv_buckets:
-            self._kv[bucket] = await provision_bucket(self._js, bucket, self.settings)
+            self._kv[bucket] = await provision_bucket(plain, bucket, self.settings, bind=self._js)
         self.metrics.connected.set(1)
 
     async def _bind_consumer(self, binding: EventBinding) -> JetStreamContext.PullSubscription:
@@ -437,7 +495,7 @@ class Runtime:
         delay = self.settings.backoff_base_s
         while True:
             try:
-                ack = await js.publish(event.subject(), data, headers=headers)
+                ack = await js.publish_until(deadline, event.subject(), data, headers=headers)
                 break
             except nats.js.errors.APIError as error:
                 if error.err_code == WRONG_LAST_SEQUENCE:
@@ -451,7 +509,7 @@ class Runtime:
                     self.metrics.published.labels("failed").inc()
                     raise BusError(f"publish to {event.subject()} failed: {type(error).__name__}") from None
             self.metrics.published.labels("retried").inc()
-            await asyncio.sleep(delay)
+            await self.healing.wait(delay)  # a new leader or the connection back: at once
             delay = min(delay * 2, 2.0)
         self.metrics.published.labels("duplicate" if ack.duplicate else "stored").inc()
         return ack
@@ -481,7 +539,7 @@ class Runtime:
             raise BusError("runtime not started")
         return self._nc
 
-    def _jetstream(self) -> JetStreamContext:
+    def _jetstream(self) -> ElectionAwareJetStream:
         if self._js is None:
             raise BusError("runtime not started")
         return self._js
@@ -556,6 +614,12 @@ async def end_connection(nc: NatsClient) -> None:
         raise asyncio.CancelledError
 
 
+def _server_of(nc: NatsClient | None) -> str:
+    """The server a connection is on now (host:port), for logs."""
+    url = nc.connected_url if nc is not None else None
+    return url.netloc if url is not None else ""
+
+
 async def _log_client_error(error: Exception) -> None:
     log.debug("NATS client error", extra={"error": repr(error)})
 
@@ -611,8 +675,10 @@ async def provision_stream(js: JetStreamContext, settings: BusSettings) -> None:
     await _ensure_stream(js, config, what=f"stream {subjects.STREAM_NAME}", create=lambda: js.add_stream(config))
 
 
-async def provision_bucket(js: JetStreamContext, bucket: str, settings: BusSettings, history: int = 5) -> KeyValue:
-    """Create a KV bucket with the configured replicas, or bring an existing bucket's replicas to it.
+async def provision_bucket(js: JetStreamContext, bucket: str, settings: BusSettings, history: int = 5, *,
+                           bind: JetStreamContext | None = None) -> KeyValue:
+    """Create a KV bucket with the configured replicas, or bring an existing bucket's replicas to it; the bucket,
+    its calls going through `bind` (default: `js`).
 
     A bucket is a stream (`KV_<bucket>`); only its replica count is converged, the rest (history,
     TTL) stays as whoever created it chose.
@@ -620,7 +686,7 @@ async def provision_bucket(js: JetStreamContext, bucket: str, settings: BusSetti
     config = KeyValueConfig(bucket=bucket, history=history, replicas=settings.nats_replicas)
     await _ensure_stream(js, None, what=f"KV bucket {bucket}", stream=f"KV_{bucket}", replicas=settings.nats_replicas,
                          create=lambda: js.create_key_value(config))
-    return await js.key_value(bucket)
+    return await (bind or js).key_value(bucket)
 
 
 # Reads and creates retried while JetStream is unavailable or slow (a cluster electing, a server rejoining): about 25 s.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import shutil
 import signal
@@ -15,6 +16,9 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
+
+import nats
+import nats.errors
 
 from .errors import BusError
 from .ports import free_port
@@ -204,6 +208,36 @@ class EmbeddedCluster:
         for member in self.members:
             member.resume()
             member.kill()
+
+    def serving(self, client_name: str) -> ClusterMember:
+        """The live member a client connection named `client_name` is on now (its monitoring port's /connz)."""
+        for member in self.members:
+            if member.pid is None or member.paused:
+                continue
+            with urllib.request.urlopen(f"http://127.0.0.1:{member.monitor_port}/connz", timeout=5) as response:
+                connections = json.load(response).get("connections") or []
+            if any(c.get("name") == client_name for c in connections):
+                return member
+        raise BusError(f"no cluster member has a client named {client_name!r}")
+
+    async def step_down(self, stream: str, away_from: set[str], attempts: int = 20) -> ClusterMember:
+        """Move `stream`'s leadership off the members named in `away_from` (JetStream's step-down request, asked
+        again after each election until another member leads); the leader then."""
+        nc = await nats.connect([m.url for m in self.members if m.pid is not None and not m.paused], connect_timeout=2)
+        try:
+            js = nc.jetstream(timeout=3)
+            for _ in range(attempts):
+                with contextlib.suppress(nats.errors.TimeoutError):  # a busy cluster: ask again
+                    info = await js.stream_info(stream)
+                    leader = info.cluster.leader if info.cluster else None
+                    if leader and leader not in away_from:
+                        return self.member(leader)
+                    if leader:
+                        await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=3)
+                await asyncio.sleep(0.5)  # the election the step-down started
+        finally:
+            await nc.close()
+        raise BusError(f"the leadership of {stream} did not leave {sorted(away_from)}")
 
 
 class ClusterMember(EmbeddedNats):

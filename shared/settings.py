@@ -43,6 +43,7 @@ class BusSettings(_Settings):
     nats_replicas: int = Field(1, ge=1, le=5, description="replicas of the stream and KV buckets: 1 on one server, 3 on a three-node JetStream cluster")
     nats_ping_interval_s: float = Field(5.0, gt=0, description="ping the server this often; two unanswered pings (a paused or partitioned server) mean reconnect to another")
     publish_retry_s: float = Field(30.0, gt=0, description="a publish keeps retrying (same Nats-Msg-Id) through a leader election or outage this long")
+    nats_election_wait_s: float = Field(20.0, ge=0, description="a JetStream or KV call that finds no stream or bucket leader (one being elected after a server was lost) asks again until this long; 0 = fail at once")
 
     def urls(self) -> list[str]:
         return nats_servers(self.nats_url) if self.nats_url else []

@@ -1,4 +1,4 @@
-"""Follow the event stream from any NATS server: the library behind `kai-isolator events`."""
+"""Follow the event stream from any NATS server: the library behind `kai-isolator events`; or read all it holds."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+import nats
+
 from . import subjects
 from .bus import connect, end_connection
-from .errors import ConfigError, DecodeError
+from .errors import BusError, ConfigError, DecodeError
 from .events import Envelope, Payload, decode
 from .settings import BusSettings, parse_duration
 
@@ -65,6 +67,37 @@ async def follow(url: str, subject: str = subjects.ALL_EVENTS, since: datetime |
     finally:
         await follower.close()
         await end_connection(nc)  # even while reconnecting: no reconnect loop outlives the reader
+
+
+READ_ATTEMPTS = 10
+
+
+async def read_stream(url: str, filter_subject: str = subjects.ALL_EVENTS) -> list[Msg]:
+    """Every message under `filter_subject` the stream holds now, in stream order (an ephemeral consumer read to the end).
+
+    Read again from the start when the cluster answers "not now" or does not answer the consumer's creation in time:
+    a consumer placed while a restarted server catches up (a loaded run waited past 5 s). BusError after READ_ATTEMPTS.
+    """
+    refusal: Exception | None = None
+    for _ in range(READ_ATTEMPTS):
+        nc = await nats.connect(url.split(","))
+        try:
+            psub = await nc.jetstream(timeout=5).pull_subscribe(
+                filter_subject, stream=subjects.STREAM_NAME, config=ConsumerConfig(ack_policy=AckPolicy.ALL))
+            found: list[Msg] = []
+            while True:
+                try:
+                    batch = await psub.fetch(1000, timeout=1.5)
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    return found  # nothing more within the wait: the end
+                found += batch
+                await batch[-1].ack()  # AckAll: the consumer's 1000 unacked messages would stop it
+        except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError) as error:  # the fetch's own timeout ends the read above
+            refusal = error
+            await asyncio.sleep(0.5)
+        finally:
+            await nc.close()
+    raise BusError(f"the stream could not be read under {filter_subject}: {refusal!r}")
 
 
 def _received(msg: Msg) -> Received:

@@ -23,6 +23,7 @@ from kai_isolator.shared import frames, subjects
 from kai_isolator.shared.bus import DUPLICATE_IN_PROCESS, HEADERS_CONTENT_TYPE, Runtime
 from kai_isolator.shared.errors import DecodeError
 from kai_isolator.shared.events import AdmissionDecision
+from kai_isolator.shared.failover import ASK_AGAIN_AFTER_S
 from kai_isolator.shared.tasks import cancel_all
 
 from .answer import DecisionRecord
@@ -162,6 +163,7 @@ class DecisionPublisher:
         await connection.subscribe(f"{self._inbox}.*", cb=self._on_ack, pending_msgs_limit=0, pending_bytes_limit=0)
         self._tasks.append(asyncio.create_task(self._sweep(), name="admission-publisher-sweep"))
         forget = self._runtime.on_disconnected(self._send_all_again)
+        forget_leaders = self._runtime.on_healed(self._send_waiting_again)
         try:
             while True:
                 await self._wake.wait()
@@ -170,6 +172,7 @@ class DecisionPublisher:
                 await self._send_buffered()
         finally:
             forget()
+            forget_leaders()
 
     async def _send_buffered(self) -> None:
         assert self._runtime is not None
@@ -230,6 +233,14 @@ class DecisionPublisher:
         now = time.monotonic()
         for entry in self._inflight.values():
             if entry.resend_at is None:
+                entry.resend_at = now
+
+    async def _send_waiting_again(self) -> None:
+        """A stream leader was elected or the connection is back: what a leader-less stream refused goes again at
+        once rather than at its backoff, and what has waited a moment for its ack (its leader may be gone) too."""
+        now = time.monotonic()
+        for entry in self._inflight.values():
+            if entry.resend_at is not None or now - entry.sent_at >= ASK_AGAIN_AFTER_S:
                 entry.resend_at = now
 
     def _reinsert(self, entry: _InFlight) -> None:

@@ -1,7 +1,8 @@
 """Pipelined JetStream publishes: every ack comes back on one subscription, no request/timer/task per message.
 
 Bounded: at most `limit` publishes await their ack; a missing ack fails its publish after `timeout_s`.
-A lost connection sends what awaits its ack again at once (`resend`), instead of each waiting out `timeout_s`.
+A lost connection, or a new stream leader, sends what awaits its ack again at once (`resend`), instead of each
+waiting out `timeout_s`.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ class Ack:
 class _Waiting:
     """One publish sent and awaiting its ack: what to send again if the connection drops."""
 
-    __slots__ = ("future", "subject", "data", "headers", "token")
+    __slots__ = ("future", "subject", "data", "headers", "token", "sent_at")
 
     def __init__(self, future: asyncio.Future[Ack], subject: str, data: bytes, headers: dict[str, str], token: str) -> None:
         self.future, self.subject, self.data, self.headers, self.token = future, subject, data, headers, token
+        self.sent_at = time.monotonic()
 
 
 class AckPipeline:
@@ -85,18 +87,21 @@ class AckPipeline:
             finally:
                 self._waiting.pop(waiting.token, None)
 
-    async def resend(self) -> None:
-        """The connection dropped: the acks awaited may never come (the server that took the messages may be
-        gone). Each message is sent again now, under a new reply token and deadline; the client keeps it until
-        it has reconnected. The stream stores it once: its Nats-Msg-Id is the same, and a compare-and-set that
-        had landed is refused as one (the caller recognises its own write)."""
+    async def resend(self, waited_s: float = 0.0) -> None:
+        """The connection dropped, or a stream has a new leader: the acks awaited may never come (the server that
+        took the messages, or the leader they went to, may be gone). Each message sent at least `waited_s` ago is
+        sent again now, under a new reply token and deadline; the client keeps it until it has reconnected. The
+        stream stores it once: its Nats-Msg-Id is the same, and a compare-and-set that had landed is refused as
+        one (the caller recognises its own write)."""
+        now = time.monotonic()
         for waiting in list(self._waiting.values()):
-            if waiting.future.done():
+            if waiting.future.done() or now - waiting.sent_at < waited_s:
                 continue
             del self._waiting[waiting.token]
             waiting.token = str(next(self._tokens))
+            waiting.sent_at = now
             self._waiting[waiting.token] = waiting
-            self._deadlines.append((time.monotonic() + self.timeout_s, waiting.token))
+            self._deadlines.append((now + self.timeout_s, waiting.token))
             try:
                 await frames.publish(self.nc, waiting.subject, waiting.data, self._prefix + waiting.token, waiting.headers)
             except nats.errors.Error as error:  # closed, or no room left in the client's buffer: the caller decides

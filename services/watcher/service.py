@@ -32,6 +32,7 @@ from prometheus_client import Counter, Gauge
 
 from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.errors import BusError, LeaseLostError
+from kai_isolator.shared.failover import ASK_AGAIN_AFTER_S
 from kai_isolator.shared.lease import Lease
 from kai_isolator.shared.tasks import cancel_all
 
@@ -202,7 +203,10 @@ class PodWatcher:
         self._acks = AckPipeline(self.runtime.connection, self.runtime.settings.jetstream_timeout_s, limit=4 * self.settings.lanes)
         self.records.acks = self.stream.acks = self._acks
         await self._retrying("bus", self._acks.start)
-        forget_acks = self.runtime.on_disconnected(self._acks.resend)
+        acks = self._acks
+        forget_acks = self.runtime.on_disconnected(acks.resend)
+        # A new stream leader may never have seen what awaits its ack: send it again now, not after the ack timeout.
+        forget_leaders = self.runtime.on_healed(lambda: acks.resend(ASK_AGAIN_AFTER_S))
         try:
             await self._retrying("bus", self._load_state)
             await self._retrying("bus", self._recover)
@@ -214,6 +218,7 @@ class PodWatcher:
                 group.create_task(self._loop(), name="watch-read")
         finally:
             forget_acks()
+            forget_leaders()
             await self._acks.stop()
 
     async def _loop(self) -> None:
@@ -486,7 +491,8 @@ class PodWatcher:
                     raise _Stopping from None
                 self.metrics.retries.labels(cause).inc()
                 log.warning("bus unavailable; holding the watch until it returns", extra={"error": f"{type(error).__name__}: {error}", "retry_in_s": delay})
-                await asyncio.sleep(delay)
+                # A leader elected or the connection back ends the wait: the retry comes then, not a backoff later.
+                await self.runtime.healing.wait(delay)
                 delay = min(delay * 2, self.settings.backoff_max_s)
 
 

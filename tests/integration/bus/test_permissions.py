@@ -28,14 +28,15 @@ BUCKETS = [WatcherSettings().state_bucket, WatcherSettings().resume_bucket, Veri
            subjects.NODE_STATUS_BUCKET, LEASE_BUCKET, ROLLOUT_BUCKET]
 # As deploy/README.md lists them ("An existing NATS cluster with accounts and credentials").
 PUBLISH = ["isolator.>", "_INBOX.>", "$JS.API.>", "$JS.ACK.>", *(f"$KV.{b}.>" for b in BUCKETS)]
-SUBSCRIBE = ["isolator.>", "_INBOX.>"]
+LEADER_ADVISORIES = "$JS.EVENT.ADVISORY.*.LEADER_ELECTED.>"
+SUBSCRIBE = ["isolator.>", "_INBOX.>", LEADER_ADVISORIES]
 
 
 class ScopedServer:
-    def __init__(self, workdir: Path, publish: list[str]) -> None:
+    def __init__(self, workdir: Path, publish: list[str], subscribe: list[str]) -> None:
         self.port = free_port()
         self.log = workdir / "nats.log"
-        user = {"user": "kai", "password": "pw", "permissions": {"publish": {"allow": publish}, "subscribe": {"allow": SUBSCRIBE}}}
+        user = {"user": "kai", "password": "pw", "permissions": {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}}}
         # NATS configuration is a superset of JSON: the account block written as JSON is a valid config.
         config = {"port": self.port, "jetstream": {"store_dir": str(workdir / "js")},
                   "accounts": {"KAI": {"jetstream": "enabled", "users": [user]}}}
@@ -53,13 +54,13 @@ class ScopedServer:
 
 
 @pytest.fixture
-async def scoped(tmp_path: Path) -> AsyncIterator[Callable[[list[str]], ScopedServer]]:
+async def scoped(tmp_path: Path) -> AsyncIterator[Callable[..., ScopedServer]]:
     servers: list[ScopedServer] = []
 
-    def start(publish: list[str]) -> ScopedServer:
+    def start(publish: list[str], subscribe: list[str] = SUBSCRIBE) -> ScopedServer:
         workdir = tmp_path / f"server-{len(servers)}"
         workdir.mkdir()
-        server = ScopedServer(workdir, publish)
+        server = ScopedServer(workdir, publish, subscribe)
         servers.append(server)
         return server
 
@@ -90,7 +91,7 @@ async def started(server: ScopedServer, on_pod: Callable[[PodIsolation], object]
     raise AssertionError("the scoped server never answered")
 
 
-async def test_the_documented_permissions_cover_every_bus_operation(scoped: Callable[[list[str]], ScopedServer]) -> None:
+async def test_the_documented_permissions_cover_every_bus_operation(scoped: Callable[..., ScopedServer]) -> None:
     server = scoped(PUBLISH)
     seen: list[PodIsolation] = []
     runtime = await started(server, seen.append)
@@ -115,7 +116,7 @@ async def test_the_documented_permissions_cover_every_bus_operation(scoped: Call
     assert server.violations() == []
 
 
-async def test_a_missing_permission_shows_as_a_violation(scoped: Callable[[list[str]], ScopedServer]) -> None:
+async def test_a_missing_permission_shows_as_a_violation(scoped: Callable[..., ScopedServer]) -> None:
     # The control: without `_INBOX.>` a node agent cannot answer, and the server says so.
     server = scoped([p for p in PUBLISH if p != "_INBOX.>"])
     runtime = await started(server, lambda pod: None)
@@ -125,3 +126,20 @@ async def test_a_missing_permission_shows_as_a_violation(scoped: Callable[[list[
     finally:
         await runtime.stop()
     assert any("_INBOX" in line for line in server.violations())
+
+
+async def test_without_the_leader_advisories_every_operation_still_works(scoped: Callable[..., ScopedServer]) -> None:
+    # The advisories only wake a call waiting on an election (it polls without them): an account scoped as documented
+    # before they were asked for keeps working, and the server names the one subscription it refused.
+    server = scoped(PUBLISH, [s for s in SUBSCRIBE if s != LEADER_ADVISORIES])
+    seen: list[PodIsolation] = []
+    runtime = await started(server, seen.append)
+    try:
+        await runtime.publish(PodIsolation(pod=PodRef(namespace="team-a", name="p", uid="uid-p"), resource_version="1", state="running"))
+        await eventually(lambda: len(seen) == 1)
+        kv = runtime.kv(LEASE_BUCKET)
+        revision = await kv.create("probe", b"1")
+        assert (await kv.get("probe")).revision == revision
+    finally:
+        await runtime.stop()
+    assert server.violations() and all("LEADER_ELECTED" in line for line in server.violations())

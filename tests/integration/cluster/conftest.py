@@ -17,12 +17,12 @@ import nats
 import nats.errors
 import nats.js.errors
 import pytest
-from nats.js.api import AckPolicy, ConsumerConfig
 
 from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.shared import subjects
 from kai_isolator.shared.embedded_nats import ClusterMember, EmbeddedCluster
 from kai_isolator.shared.settings import BusSettings
+from kai_isolator.shared.tail import read_stream
 
 
 @pytest.fixture
@@ -89,33 +89,10 @@ async def stream_events(url: str, filter_subject: str) -> list[Any]:
 
 
 async def stream_records(url: str, filter_subject: str) -> list[tuple[Any, Any]]:
-    """Every (envelope, event) in the stream under `filter_subject`, in stream order (an ephemeral consumer, read to the end).
-
-    Read again from the start when the cluster answers "not now" or does not answer the consumer's creation in
-    time (a consumer placed while a restarted server catches up: a loaded run's demo test waited past 5 s).
-    """
+    """Every (envelope, event) in the stream under `filter_subject`, in stream order (read while the cluster settles)."""
     from kai_isolator.shared.events import decode
 
-    refusal: Exception | None = None
-    for _ in range(10):
-        nc = await nats.connect(url.split(","))
-        try:
-            psub = await nc.jetstream(timeout=5).pull_subscribe(
-                filter_subject, stream=subjects.STREAM_NAME, config=ConsumerConfig(ack_policy=AckPolicy.ALL))
-            found: list[tuple[Any, Any]] = []
-            while True:
-                try:
-                    batch = await psub.fetch(1000, timeout=1.5)
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                    return found
-                found += [decode(m.data) for m in batch]
-                await batch[-1].ack()  # AckAll: the consumer's 1000 unacked messages would stop it
-        except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError) as error:  # the fetch's own timeout ends the read above
-            refusal = error
-            await asyncio.sleep(0.5)
-        finally:
-            await nc.close()
-    raise AssertionError(f"the stream could not be read under {filter_subject}: {refusal!r}")
+    return [decode(m.data) for m in await read_stream(url, filter_subject)]
 
 
 async def lease_holder(url: str, key: str) -> str | None:

@@ -38,7 +38,6 @@ import nats
 import nats.errors
 import nats.js.errors
 import pytest
-from nats.js.api import AckPolicy, ConsumerConfig
 
 from kai_isolator.services.admission.certs import issue
 from kai_isolator.services.admission.server import AdmissionServer
@@ -50,6 +49,7 @@ from kai_isolator.services.nodeagent.settings import NodeAgentSettings
 from kai_isolator.shared import subjects
 from kai_isolator.shared.embedded_nats import ClusterMember, EmbeddedCluster
 from kai_isolator.shared.ports import free_port
+from kai_isolator.shared.tail import read_stream
 from kai_isolator.shared.events import AdmissionDecision, HealthVerdict, PodIsolation, decode
 from kai_isolator.shared.fake_gpu import FakeGpu
 from kai_isolator.shared.operator_view import ISOLATED_CONDITION
@@ -292,28 +292,12 @@ class Stored:
 
 
 async def stored_events(url: str) -> list[Stored]:
-    """Every event in the stream, in stream order, with its store time (an ephemeral consumer read to the end)."""
-    for _ in range(10):
-        nc = await nats.connect(url.split(","))
-        try:
-            psub = await nc.jetstream(timeout=5).pull_subscribe(subjects.ALL_EVENTS, stream=subjects.STREAM_NAME,
-                                                                config=ConsumerConfig(ack_policy=AckPolicy.ALL))
-            found: list[Stored] = []
-            while True:
-                try:
-                    batch = await psub.fetch(1000, timeout=1.5)
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                    return found
-                for message in batch:
-                    envelope, payload = decode(message.data)
-                    found.append(Stored(envelope.id, message.subject, payload, message.metadata.timestamp.timestamp(),
-                                        envelope.time.timestamp()))
-                await batch[-1].ack()
-        except nats.js.errors.ServiceUnavailableError:
-            await asyncio.sleep(0.5)
-        finally:
-            await nc.close()
-    raise AssertionError("the stream could not be read")
+    """Every event in the stream, in stream order, with its store time."""
+    found: list[Stored] = []
+    for message in await read_stream(url):
+        envelope, payload = decode(message.data)
+        found.append(Stored(envelope.id, message.subject, payload, message.metadata.timestamp.timestamp(), envelope.time.timestamp()))
+    return found
 
 
 @dataclass
