@@ -77,6 +77,17 @@ def leftovers(env: dict[str, str]) -> list[str]:
     return found
 
 
+def clear_interrupted_run(env: dict[str, str]) -> None:
+    """A run killed mid-test (a timeout, a lost machine) leaves its project in the engine, whose state is cached."""
+    left = leftovers(env)
+    if not left:
+        return
+    print(f"clearing what an interrupted run left: {left}", file=sys.stderr, flush=True)
+    down = compose("down", "-v", "--remove-orphans", env=env, timeout=300, check=False)
+    assert down.returncode == 0, f"docker compose down -v of an interrupted run exited {down.returncode}: {down.stderr}"
+    assert not leftovers(env), f"docker compose down -v did not clear an interrupted run: {leftovers(env)}"
+
+
 @pytest.fixture(scope="module")
 def stack() -> Iterator[dict[str, str]]:
     env = images.compose_env()
@@ -84,7 +95,7 @@ def stack() -> Iterator[dict[str, str]]:
     started = time.monotonic()
     env["GO_IMAGE"] = images.ensure_prerequisites()
     phase("base images, builder image and compose plugin", started)
-    assert not leftovers(env), f"a previous run left {leftovers(env)}"
+    clear_interrupted_run(env)
     try:
         with images.build_ca():
             started = time.monotonic()
