@@ -28,7 +28,7 @@ from kai_isolator.services.nodeagent.grant_files import write_grant
 from kai_isolator.services.nodeagent.nvml import Nvml
 from kai_isolator.services.nodeagent.settings import NodeAgentSettings
 from kai_isolator.shared.events import Breach
-from kai_isolator.shared.fake_gpu import FakeGpu
+from kai_isolator.services.devcluster.fake_gpu_ledger import FakeGpu
 from kai_isolator.shared.grant import DeviceGrant, Grant, GrantSource
 
 REPO = Path(__file__).resolve().parent.parent

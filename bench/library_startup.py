@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kai_isolator.shared.fake_gpu import FakeGpu
+from kai_isolator.services.devcluster.fake_gpu_ledger import FakeGpu
 
 REPO = Path(__file__).resolve().parent.parent
 HAMI = REPO / "hami-core"

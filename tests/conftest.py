@@ -1,4 +1,5 @@
-"""Fixtures every test may use: a real nats-server per test and fast bus settings."""
+"""Fixtures every test may use: a real nats-server per test and fast bus settings; the run's options and its grouping
+of tests into pytest-xdist workers. What the folders share besides lives in support/ (docs/development.md)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,12 @@ import pytest
 from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.embedded_nats import EmbeddedNats
 from kai_isolator.shared.settings import BusSettings
-from support import RuntimeFactory
+from support import REPO
+from support.bus import RuntimeFactory
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-# Node agent fixtures (`libraries`, `start_agent`) serve the node agent and installer tests alike;
-# the real control plane (`control_plane`, `deployed`) starts only for the tests that ask for it.
-pytest_plugins = ["run_summary", "nodeagent_fixtures", "control_plane.fixtures"]
+# The tables printed after the run; node agent fixtures (`libraries`, `start_agent`), which serve the node agent and
+# installer tests alike; the real control plane (`control_plane`, `deployed`), started only for the tests that ask.
+pytest_plugins = ["support.run_summary", "support.nodeagent", "support.control_plane"]
 
 SHARED_ONCE = {"real_node_session": "real-node", "kai_plane": "kai-plane"}
 """Session fixtures worth starting once per run, not once per pytest-xdist worker: their tests share one worker."""
@@ -56,7 +56,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def _worker_group(item: pytest.Item) -> str | None:
     """The tests that must run in one worker: those of a costly session fixture, and those of one module where they
-    share a module-scoped fixture (a real node's Helm release, a compose stack: set up once, in file order)."""
+    share a module-scoped fixture (a compose stack, a chart on the real node: set up once, not once per worker). No test
+    relies on the order they run in: each passes alone (`pytest path::test`)."""
     names = set(getattr(item, "fixturenames", ()))
     for fixture, group in SHARED_ONCE.items():
         if fixture in names:
@@ -64,7 +65,7 @@ def _worker_group(item: pytest.Item) -> str | None:
     definitions = getattr(item, "_fixtureinfo", None)
     scopes = {d.scope for defs in (definitions.name2fixturedefs.values() if definitions else ()) for d in defs}
     if scopes & {"module", "package", "class"}:
-        return str(item.path.relative_to(REPO_ROOT))
+        return str(item.path.relative_to(REPO))
     return None
 
 

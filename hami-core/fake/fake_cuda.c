@@ -85,7 +85,7 @@ static int device_by_uuid_prefix(const char *token, size_t len) {
     return found;
 }
 
-/* Node mode: the books live in the node's fake-gpu ledger (fake_ledger.h, shared/fake_gpu.py), found
+/* Node mode: the books live in the node's fake-gpu ledger (fake_ledger.h, services/devcluster/fake_gpu_ledger.py), found
  * next to this library, never through the environment; the ledger decides the card's size and charges
  * every byte to this process as the kernel names it. Without a ledger beside the library the GPU is this
  * process's own (the counters above), for tests of one process. */

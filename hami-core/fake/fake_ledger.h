@@ -1,10 +1,10 @@
 /* The wire protocol between the fake driver (fake_cuda.c, fake_nvml.c) and the node's fake-gpu ledger
- * (shared/fake_gpu.py), which owns the node-wide books as a real GPU's kernel driver does. Both libraries
+ * (services/devcluster/fake_gpu_ledger.py), which owns the node-wide books as a real GPU's kernel driver does. Both libraries
  * reach it through FAKE_LEDGER_SOCKET in their own directory (dladdr, never the environment): a
  * SOCK_SEQPACKET unix socket, one fixed-size request and one reply per call. The ledger charges every
  * byte to the connection's process as the kernel names it (SO_PEERCRED, and each message's
  * SCM_CREDENTIALS must agree), never to a pid the message carries; a connection's memory goes when it
- * closes (exec, exit, close) or its process dies. The layouts must match shared/fake_gpu.py's structs. */
+ * closes (exec, exit, close) or its process dies. The layouts must match services/devcluster/fake_gpu_ledger.py's structs. */
 #ifndef FAKE_LEDGER_H
 #define FAKE_LEDGER_H
 
@@ -66,7 +66,7 @@ typedef struct {
 } fake_ledger_procs_reply;
 
 _Static_assert(sizeof(fake_ledger_request) == 24 && sizeof(fake_ledger_reply) == 48 && sizeof(fake_ledger_process) == 16,
-               "shared/fake_gpu.py's struct formats");
+               "services/devcluster/fake_gpu_ledger.py's struct formats");
 
 /* Connect to the ledger next to the library that holds `self` (a function of that library). Returns the
  * socket, -1 when no ledger sits next to the library (an in-process GPU), -2 when one should but does

@@ -28,7 +28,7 @@ struct nvmlDevice_st {
 
 static struct nvmlDevice_st devices[MAX_DEVICES];
 static unsigned int device_count;
-static int initialised;
+static int initialised;  /* nvmlInit calls not yet shut down */
 
 nvmlReturn_t fake_nvmlInit_v1(void) __asm__("nvmlInit") EXPORT;
 
@@ -76,7 +76,7 @@ EXPORT nvmlReturn_t nvmlInit_v2(void) {
         card_total = env_ull("FAKE_CUDA_TOTAL_MIB", 15360, 1ull << 30) << 20;
     }
     for (unsigned int i = 0; i < device_count; i++) devices[i].index = i;
-    initialised = 1;
+    __atomic_add_fetch(&initialised, 1, __ATOMIC_SEQ_CST);
     return NVML_SUCCESS;
 }
 
@@ -98,9 +98,12 @@ EXPORT const char *nvmlErrorString(nvmlReturn_t result) {
     }
 }
 
+/* Reference counted, as NVML's own: a library's nvmlShutdown does not end its host process's other users' session. */
 EXPORT nvmlReturn_t nvmlShutdown(void) {
-    initialised = 0;
-    return NVML_SUCCESS;
+    int count = __atomic_load_n(&initialised, __ATOMIC_SEQ_CST);
+    while (count > 0 && !__atomic_compare_exchange_n(&initialised, &count, count - 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+    }
+    return count > 0 ? NVML_SUCCESS : NVML_ERROR_UNINITIALIZED;
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {

@@ -256,6 +256,8 @@ int vgpu_grant_load(struct vgpu_grant *grant) {
                  waited_ns / 1000000000L, strerror(errno));
         return -1;
     }
+    if (waited_ns > 0)  /* how long a container that started before its grant waited (bench/nri_creation.py reads it) */
+        vgpu_log(VGPU_LOG_INFO, "found the grant after %ld ms", waited_ns / 1000000L);
     if ((size_t)n > GRANT_MAX_BYTES || vgpu_grant_parse(buf, (size_t)n, grant) != 0) {
         vgpu_log(VGPU_LOG_ERROR, "the grant %s is malformed; every allocation will fail", VGPU_GRANT_FILE);
         return -1;

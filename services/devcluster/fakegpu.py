@@ -1,7 +1,7 @@
 """The real node's GPU, faked at the driver level only, the way a GPU Operator cluster looks to Kubernetes.
 
 hami-core's fake `libcuda.so.1` / `libnvidia-ml.so.1` and its `nvidia-smi` stand-in are the driver, installed once
-into the node's driver folder; the node-wide ledger (the ground truth) is a node process, kai_isolator.shared.fake_gpu,
+into the node's driver folder; the node-wide ledger (the ground truth) is a node process, fake_gpu_ledger.py beside this file,
 serving `fake-gpu.sock` in that folder, where the libraries find it; the `nvidia` runtime
 (nvidia_runtime.py) adds them to containers that name GPUs; a device plugin advertises `nvidia.com/gpu` through
 the kubelet's device-plugin API (gRPC, v1beta1) and hands out NVIDIA_VISIBLE_DEVICES; the node carries the labels
@@ -22,9 +22,8 @@ from typing import Any
 
 import grpc
 
-from kai_isolator.shared.fake_gpu import SOCKET_NAME
-from kai_isolator.shared.fake_gpu import FakeGpu as Ledger
-
+from .fake_gpu_ledger import SOCKET_NAME
+from .fake_gpu_ledger import FakeGpu as Ledger
 from .kai import fake_gpu_uuid
 from .realnode import RUNC, compiled
 

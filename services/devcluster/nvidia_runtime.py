@@ -17,7 +17,7 @@ from pathlib import Path
 LIBRARY_DIR = "/usr/lib/x86_64-linux-gnu"
 LIBRARIES = ("libcuda.so.1", "libnvidia-ml.so.1")
 SMI = "/usr/bin/nvidia-smi"
-SOCKET = "fake-gpu.sock"  # the node's fake-gpu ledger (kai_isolator.shared.fake_gpu), found beside the libraries
+SOCKET = "fake-gpu.sock"  # the node's fake-gpu ledger (kai_isolator.services.devcluster.fake_gpu_ledger), found beside the libraries
 NO_GPUS = ("", "void", "none")
 
 

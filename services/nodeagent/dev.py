@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kai_isolator.shared.fake_gpu import FAKE_CONTEXT_OVERHEAD_BYTES, FakeGpu, FakeGpuError
+from kai_isolator.services.devcluster.fake_gpu_ledger import FAKE_CONTEXT_OVERHEAD_BYTES, FakeGpu, FakeGpuError
 
 from .agent import NodeAgent
 from .settings import NodeAgentSettings

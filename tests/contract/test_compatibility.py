@@ -12,9 +12,9 @@ import pytest
 import yaml
 from pydantic import Field, create_model
 
-from contract_tools import EVENTS, contract_tools
 from kai_isolator.shared import event_compat, event_contract, events, subjects
 from kai_isolator.shared.events import REGISTRY, HealthVerdict, Payload, PodRef, Reason
+from support.contract import EVENTS, contract_tools
 
 V1 = "io.kai-isolator.health.verdict.v1"
 V2 = "io.kai-isolator.health.verdict.v2"

@@ -15,9 +15,9 @@ import jsonschema
 import pytest
 import yaml
 
-from contract_tools import EVENTS, SCHEMAS, contract_tools
 from kai_isolator.shared import event_contract, subjects
 from kai_isolator.shared.events import REGISTRY, HealthVerdict, PodIsolation, PodRef, Reason, encode
+from support.contract import EVENTS, SCHEMAS, contract_tools
 
 
 def validator(event_type: str) -> jsonschema.Draft202012Validator:

@@ -15,7 +15,7 @@ from deploy_tools import (  # noqa: E402
     CHART, HELM_VARIANTS, KUSTOMIZE_VARIANTS, NAMESPACE, RELEASE, Docs, ToolError, helm_binary, kubectl_binary, release_tools, run_tool,
     set_flags,
 )
-from support import build_before_tests  # noqa: E402
+from support.building import build_before_tests  # noqa: E402
 
 TOOL_FIXTURES = {"helm", "render_helm", "rendered", "release_tools_built"}
 _tools_failed: list[Exception] = []

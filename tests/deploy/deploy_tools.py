@@ -72,6 +72,7 @@ KUSTOMIZE_VARIANTS = {
     "kustomize/cert-manager": KUSTOMIZE / "overlays" / "cert-manager",
     "kustomize/dev": KUSTOMIZE / "overlays" / "dev",
     "kustomize/nats-cluster": KUSTOMIZE / "overlays" / "nats-cluster",
+    "kustomize/no-nri": KUSTOMIZE / "overlays" / "no-nri",
 }
 # Every optional value at once, so each conditional template renders at least once.
 HELM_OPTIONAL = {
@@ -83,13 +84,19 @@ HELM_OPTIONAL = {
     "webhook.podAnnotations.note": "x", "nodeAgent.podLabels.team": "gpu", "webhook.nodeSelector.pool": "system",
     "webhook.tolerations[0].operator": "Exists", "watcher.nodeSelector.pool": "system", "paths.containerVgpuMount": "/opt/vgpu",
     "webhook.policy": "enforce", "webhook.allowPodOptOut": "false", "paths.grantDir": "/srv/kai-grants/",
+    "nodeAgent.nri.socketPath": "/run/nri-alt/nri.sock", "nodeAgent.nri.index": "5",
 }
 HELM_VARIANTS = {
     "helm/default": {},
     "helm/optional": HELM_OPTIONAL,
     "helm/minimal": {"webhook.replicaCount": "1", "watcher.enabled": "false", "verifier.enabled": "false", "rbac.create": "false"},
     "helm/nats-cluster": {"nats.cluster.enabled": "true"},
+    "helm/no-nri": {"nodeAgent.nri.enabled": "false"},
 }
+# The variants without container creation through NRI (no plugin beside the agent, no plugin required of pods).
+NO_NRI_VARIANTS = ["kustomize/no-nri", "helm/no-nri"]
+# The node agent's NRI plugin: its container's name and the program it runs (the image's entrypoint is kai-isolator).
+NRI_CONTAINER, NRI_COMMAND = "nri-plugin", ["kai-isolator-nri"]
 # The variants that bring a three-node NATS cluster of their own.
 NATS_CLUSTER_VARIANTS = ["kustomize/nats-cluster", "helm/nats-cluster"]
 

@@ -13,7 +13,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 import yaml
 from aiohttp import web
-from deploy_tools import NATS_CLUSTER_VARIANTS, REPO, Docs, containers, pod_specs
+from deploy_tools import NATS_CLUSTER_VARIANTS, NO_NRI_VARIANTS, NRI_COMMAND, NRI_CONTAINER, REPO, Docs, containers, pod_specs
 from prometheus_client import CollectorRegistry
 from pydantic_settings import BaseSettings
 
@@ -32,8 +32,9 @@ from kai_isolator.shared.settings import BusSettings, ProbeSettings, load, split
 
 COMPOSE = REPO / "docker-compose.yml"
 NODEAGENT_DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile.nodeagent"
+NRI_MAIN = REPO / "services" / "nodeagent" / "nri" / "main.go"
 ALL_VARIANTS = ["kustomize/base", "kustomize/cert-manager", "kustomize/dev", "helm/default", "helm/optional", "helm/minimal",
-               "kustomize/nats-cluster", "helm/nats-cluster"]
+               "kustomize/nats-cluster", "helm/nats-cluster", *NO_NRI_VARIANTS]
 
 
 def settings_classes() -> list[type[BaseSettings]]:
@@ -114,8 +115,15 @@ def is_test_hook(doc: dict) -> bool:
     return "test" in doc["metadata"].get("annotations", {}).get("helm.sh/hook", "").split(",")
 
 
+def is_nri_plugin(container: dict) -> bool:
+    """The node agent's NRI plugin: our image, but the Go adapter (kai-isolator-nri), not a `kai-isolator` subcommand;
+    checked on its own (test_the_nri_plugin_...)."""
+    return container["name"] == NRI_CONTAINER and container.get("command") == NRI_COMMAND
+
+
 def our_containers(docs: Docs) -> list[tuple[dict, dict, dict]]:
-    return [(doc, spec, c) for doc, spec in pod_specs(docs) if not is_test_hook(doc) for c in containers(spec) if ours(c)]
+    return [(doc, spec, c) for doc, spec in pod_specs(docs) if not is_test_hook(doc) for c in containers(spec)
+            if ours(c) and not is_nri_plugin(c)]
 
 
 def port_of(container: dict, name: str) -> int:
@@ -240,12 +248,17 @@ def test_library_and_state_paths_agree_between_webhook_agent_and_image(rendered:
     agent = effective(NodeAgentSettings, parse(agent_container["args"]), container_env(agent_container, docs))
     assert agent.container_vgpu_mount == admission.container_vgpu_mount
     assert agent.grant_dir == admission.grant_dir, "the agent writes grants where the webhook does not mount them from"
-    # Host paths as the agent sees them (under --host-root) must be the hostPath volumes mounted there.
+    # Host paths as the agent sees them (under --host-root) must be the hostPath volumes mounted there. The one exception,
+    # with NRI, is the host's cgroup hierarchy: at the host's own path, as the driver's cap names a leaf (checked in
+    # test_the_nri_plugin_asks_the_agent_where_it_answers_and_the_webhook_requires_it_by_name).
     host_paths = {}
     volumes = {v["name"]: v for v in spec["volumes"]}
     for mount in agent_container["volumeMounts"]:
         if "hostPath" in volumes[mount["name"]]:
             inside = PurePosixPath(mount["mountPath"])
+            if agent.nri_socket is not None and inside == PurePosixPath("/sys/fs/cgroup"):
+                assert volumes[mount["name"]]["hostPath"]["path"] == str(inside)
+                continue
             host_paths[str(PurePosixPath("/") / inside.relative_to(agent.host_root))] = volumes[mount["name"]]["hostPath"]["path"]
     assert all(k == v for k, v in host_paths.items()), f"agent sees host paths at other places: {host_paths}"
     layout = HostLayout.__new__(HostLayout)  # path arithmetic only: the host root does not exist here
@@ -390,3 +403,55 @@ def test_lease_terms_reach_the_watcher_and_the_installer(render_helm) -> None:  
     assert effective(WatcherSettings, parse(watcher["args"]), container_env(watcher, docs)).lease_ttl_s == 4
     _, installer = _container(docs, "Job", "-rollout-0123456789abcdef")
     assert parse(installer["args"]).lease_ttl_s == 20
+
+
+def nri_flags() -> set[str]:
+    """The flags kai-isolator-nri defines (Go's flag package: `flag.String("name", ...)`)."""
+    return set(re.findall(r'flag\.\w+\("([a-z-]+)"', NRI_MAIN.read_text()))
+
+
+def _mount_at(container: dict, path: str) -> dict:
+    found = [m for m in container.get("volumeMounts", []) if m["mountPath"] == path]
+    assert len(found) == 1, f"{container['name']} mounts nothing (or twice) at {path}: {container.get('volumeMounts')}"
+    return found[0]
+
+
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+def test_the_nri_plugin_asks_the_agent_where_it_answers_and_the_webhook_requires_it_by_name(rendered: dict[str, Docs], variant: str) -> None:
+    """The plugin's flags are its program's; it asks the agent at the agent's decision socket (one emptyDir both mount),
+    reaches containerd's NRI socket through a hostPath of its directory, and registers under the name the webhook's
+    required-plugins annotation names. Without NRI, none of it: the agent serves no socket, the webhook requires nothing."""
+    docs = rendered[variant]
+    spec, agent_container = _container(docs, "DaemonSet", "-nodeagent")
+    agent = effective(NodeAgentSettings, parse(agent_container["args"]), container_env(agent_container, docs))
+    _, webhook = _container(docs, "Deployment", "-webhook")
+    admission = effective(AdmissionSettings, parse(webhook["args"]), container_env(webhook, docs))
+    plugins = [c for c in containers(spec) if c["name"] == NRI_CONTAINER]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    if variant in NO_NRI_VARIANTS:
+        assert not plugins and agent.nri_socket is None and admission.require_nri_plugin == ""
+        assert "/sys/fs/cgroup" not in {m["mountPath"] for m in agent_container["volumeMounts"]}
+        return
+    [plugin] = plugins
+    assert is_nri_plugin(plugin) and plugin["image"] == agent_container["image"], "the plugin is carried by the agent's image"
+    flags = dict(a[2:].split("=", 1) for a in plugin["args"])
+    assert len(flags) == len(plugin["args"]) and set(flags) <= nri_flags(), f"{plugin['args']} vs the flags of {NRI_MAIN.name}"
+    assert flags["name"] == admission.require_nri_plugin, "the webhook requires a plugin by another name than the one registered"
+    assert re.fullmatch(r"[0-9]{2}", flags["idx"]), flags["idx"]
+    assert re.fullmatch(r"[1-9][0-9]*s", flags.get("reconnect", "")), "without --reconnect a node without NRI never has the pod Ready"
+    # The decision socket: where the agent serves it, in an emptyDir both containers mount at the same place.
+    assert agent.nri_socket is not None and flags["agent-socket"] == str(agent.nri_socket)
+    where = str(PurePosixPath(flags["agent-socket"]).parent)
+    shared = {_mount_at(agent_container, where)["name"], _mount_at(plugin, where)["name"]}
+    assert len(shared) == 1 and "emptyDir" in volumes[shared.pop()], "the two containers share the socket through one emptyDir"
+    # containerd's NRI socket: its host directory, mounted where the flag looks.
+    nri_dir = str(PurePosixPath(flags["nri-socket"]).parent)
+    assert volumes[_mount_at(plugin, nri_dir)["name"]]["hostPath"]["path"] == nri_dir
+    # The host's cgroups at the host's path, read-only: what creation.v2_mount finds and the driver is handed.
+    cgroup = _mount_at(agent_container, "/sys/fs/cgroup")
+    assert cgroup.get("readOnly") is True and volumes[cgroup["name"]]["hostPath"]["path"] == "/sys/fs/cgroup"
+    # The program is on the image's PATH.
+    dockerfile = NODEAGENT_DOCKERFILE.read_text()
+    [installed] = re.findall(r"^COPY --from=nri \S+ (\S+)$", dockerfile, re.M)
+    assert PurePosixPath(installed).name == NRI_COMMAND[0]
+    assert str(PurePosixPath(installed).parent) in re.search(r"^ENV PATH=(\S+)", dockerfile, re.M).group(1).split(":")  # type: ignore[union-attr]

@@ -38,6 +38,7 @@ def test_the_chart_is_the_release_version() -> None:
     ("nodeAgent.image.digst", NODEAGENT_DIGEST, "/nodeAgent/image': additional properties 'digst'"),  # nested
     ("imag.tag", "dev", "': additional properties 'imag'"),  # at the top
     ("tests.gpuMemroy", "512", "/tests': additional properties 'gpuMemroy'"),
+    ("nodeAgent.nri.enable", "false", "/nodeAgent/nri': additional properties 'enable'"),  # the off switch, misspelt
 ])
 def test_a_misspelt_value_is_refused(render_helm: Callable[..., Docs], key: str, value: str, where: str) -> None:
     with pytest.raises(ToolError, match=rf"(?s)values don't meet the specifications of the schema.*{re.escape(where)} not allowed"):

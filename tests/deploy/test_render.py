@@ -8,7 +8,9 @@ from collections.abc import Callable
 import kubernetes_validate
 import pytest
 import yaml
-from deploy_tools import CHART, HELM_OPTIONAL, HELM_VARIANTS, KUSTOMIZE_VARIANTS, REPO, Docs, ToolError, containers, pod_specs, set_flags
+from deploy_tools import (
+    CHART, HELM_OPTIONAL, HELM_VARIANTS, KUSTOMIZE_VARIANTS, NRI_CONTAINER, REPO, Docs, ToolError, containers, pod_specs, set_flags,
+)
 
 KUBE_VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0"]
 VARIANTS = [*KUSTOMIZE_VARIANTS, *HELM_VARIANTS]
@@ -102,6 +104,82 @@ def test_helm_certs_hooks_make_the_secret_before_the_webhook_and_patch_after_the
         assert int(annotations["helm.sh/hook-weight"]) < 0, f"{kind} must exist before the Jobs run"
 
 
+def _nri_parts(docs: Docs) -> dict:
+    """What NRI adds to a rendering: the agent pod's containers as they run (mounts and env by name), its volumes, and
+    the webhook's env."""
+    [agent] = [s for d, s in pod_specs(docs) if d["kind"] == "DaemonSet" and d["metadata"]["name"].endswith("-nodeagent")]
+    [webhook] = [s for d, s in pod_specs(docs) if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-webhook")]
+
+    def running(c: dict) -> dict:
+        return {"command": c.get("command"), "args": c.get("args"), "securityContext": c.get("securityContext"),
+                "resources": c.get("resources"), "env": {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])},
+                "mounts": {m["name"]: m for m in c.get("volumeMounts", [])}}
+
+    return {"containers": {c["name"]: running(c) for c in agent["containers"]}, "volumes": {v["name"]: v for v in agent["volumes"]},
+            "webhook env": {e["name"]: e.get("value") for e in webhook["containers"][0].get("env", [])}}
+
+
+@pytest.mark.parametrize(("chart", "overlay"), [({}, "kustomize/base"), ({"nodeAgent.nri.enabled": "false"}, "kustomize/no-nri")],
+                         ids=["nri", "no-nri"])
+def test_chart_and_kustomize_agree_on_nri(render_helm: Callable[..., Docs], rendered: dict[str, Docs], chart: dict[str, str],
+                                          overlay: str) -> None:
+    """The chart's default is the base (NRI on), nodeAgent.nri.enabled=false the no-nri overlay: the same plugin, mounts,
+    volumes, security and env, not only the same command lines."""
+    docs = render_helm(chart)
+    assert _shape(_release_objects(docs)) == _shape(rendered[overlay])
+    assert _nri_parts(docs) == _nri_parts(rendered[overlay])
+
+
+NRI_ARGS = ["--name=kai-isolator", "--idx=10", "--nri-socket=/var/run/nri/nri.sock", "--agent-socket=/run/kai-isolator/nri.sock",
+            "--reconnect=5s"]
+
+
+def test_nri_on_adds_the_plugin_its_sockets_and_the_webhooks_requirement(render_helm: Callable[..., Docs]) -> None:
+    on = _nri_parts(render_helm({}))  # the default
+    assert list(on["containers"]) == ["nodeagent", NRI_CONTAINER]
+    plugin, agent = on["containers"][NRI_CONTAINER], on["containers"]["nodeagent"]
+    assert (plugin["command"], plugin["args"]) == (["kai-isolator-nri"], NRI_ARGS)
+    assert plugin["securityContext"]["capabilities"] == {"drop": ["ALL"]} and plugin["securityContext"]["readOnlyRootFilesystem"]
+    assert {name: (m["mountPath"], m.get("readOnly")) for name, m in plugin["mounts"].items()} == {
+        "nri-agent": ("/run/kai-isolator", True), "nri-socket": ("/var/run/nri", True)}
+    assert on["volumes"]["nri-socket"]["hostPath"] == {"path": "/var/run/nri", "type": "DirectoryOrCreate"}
+    assert "emptyDir" in on["volumes"]["nri-agent"]
+    assert agent["env"]["KAI_ISOLATOR_NRI_SOCKET"] == "/run/kai-isolator/nri.sock"
+    assert (agent["mounts"]["nri-agent"]["mountPath"], agent["mounts"]["cgroup"]["mountPath"]) == ("/run/kai-isolator", "/sys/fs/cgroup")
+    assert agent["mounts"]["cgroup"]["readOnly"] is True and on["volumes"]["cgroup"]["hostPath"]["path"] == "/sys/fs/cgroup"
+    assert on["webhook env"] == {"KAI_ISOLATOR_REQUIRE_NRI_PLUGIN": "kai-isolator"}
+
+
+def test_nri_off_leaves_none_of_it(render_helm: Callable[..., Docs]) -> None:
+    off = _nri_parts(render_helm({"nodeAgent.nri.enabled": "false"}))
+    assert list(off["containers"]) == ["nodeagent"]
+    agent = off["containers"]["nodeagent"]
+    assert "KAI_ISOLATOR_NRI_SOCKET" not in agent["env"] and not {"nri-agent", "cgroup"} & set(agent["mounts"])
+    assert not {"nri-agent", "nri-socket", "cgroup"} & set(off["volumes"])
+    assert off["webhook env"] == {}
+
+
+@pytest.mark.parametrize(("values", "idx", "socket_dir"), [
+    ({"nodeAgent.nri.index": "7"}, "07", "/var/run/nri"),  # --set makes it a number: written with two digits
+    ({"nodeAgent.nri.index": "0"}, "00", "/var/run/nri"),  # the default, "10", is the string form
+    ({"nodeAgent.nri.socketPath": "/run/k3s/nri/nri.sock"}, "10", "/run/k3s/nri"),
+], ids=lambda v: str(v))
+def test_nri_index_and_socket_reach_the_plugin(render_helm: Callable[..., Docs], values: dict[str, str], idx: str, socket_dir: str) -> None:
+    parts = _nri_parts(render_helm(values))
+    args = parts["containers"][NRI_CONTAINER]["args"]
+    assert f"--idx={idx}" in args and any(a.startswith(f"--nri-socket={socket_dir}/") for a in args), args
+    assert parts["volumes"]["nri-socket"]["hostPath"]["path"] == socket_dir
+
+
+@pytest.mark.parametrize("values", [
+    {"nodeAgent.nri.socketPath": "nri.sock"}, {"nodeAgent.nri.socketPath": "/nri.sock"}, {"nodeAgent.nri.socketPath": "/var/run/nri/"},
+    {"nodeAgent.nri.index": "-1"}, {"nodeAgent.nri.index": "100"}, {"nodeAgent.nri.enabled": "yes"},
+], ids=lambda v: str(v))
+def test_nri_values_the_schema_refuses(render_helm: Callable[..., Docs], values: dict[str, str]) -> None:
+    with pytest.raises(ToolError, match="values don't meet the specifications of the schema"):
+        render_helm(values)
+
+
 def test_chart_with_cert_manager_matches_the_overlay(render_helm: Callable[..., Docs], rendered: dict[str, Docs]) -> None:
     chart = render_helm({"tls.certManager.enabled": "true", "tls.patch.enabled": "false"})
     assert _shape(chart) == _shape(rendered["kustomize/cert-manager"])
@@ -137,6 +215,10 @@ def test_pdb_follows_upstream_precedence(render_helm: Callable[..., Docs], value
     ({"paths.grantDir": "grants"}, "paths.grantDir must be an absolute path"),
     ({"paths.grantDir": "/var/lib/kai-isolator/containers/grants"}, "must not contain or be inside the tenant-writable state dir"),
     ({"paths.grantDir": "/var/lib"}, "must not contain or be inside the tenant-writable state dir"),
+    # Its directory is mounted into the plugin: never one that holds the runtime's own sockets.
+    ({"nodeAgent.nri.socketPath": "/run/containerd/nri.sock"}, "keep the socket in a directory of its own"),
+    ({"nodeAgent.nri.socketPath": "/var/run/nri.sock"}, "keep the socket in a directory of its own"),
+    ({"nodeAgent.nri.socketPath": "/var/run/nri/../containerd/nri.sock"}, "must be a clean absolute path"),
 ])
 def test_bad_values_fail_with_a_clear_message(render_helm: Callable[..., Docs], values: dict[str, str], message: str) -> None:
     with pytest.raises(ToolError, match=message):

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import re
+from pathlib import PurePosixPath
 
 import pytest
-from deploy_tools import REPO, Docs, component, containers, pod_specs
+from deploy_tools import NO_NRI_VARIANTS, NRI_CONTAINER, REPO, Docs, component, containers, pod_specs
 
 ALL_VARIANTS = ["kustomize/base", "kustomize/cert-manager", "kustomize/dev", "helm/default", "helm/optional", "helm/minimal",
-               "kustomize/nats-cluster", "helm/nats-cluster"]
+               "kustomize/nats-cluster", "helm/nats-cluster", *NO_NRI_VARIANTS]
 AGENT_CAPABILITIES = {"SYS_PTRACE", "DAC_READ_SEARCH", "KILL"}
+# Host directories that must never be handed to the NRI plugin as "the directory of containerd's NRI socket": they hold
+# the runtime's own sockets (containerd.sock is the node).
+RUNTIME_DIRS = {"/", "/run", "/var/run", "/var", "/tmp", "/etc", "/run/containerd", "/var/run/containerd", "/run/crio", "/var/run/crio"}
 READ_VERBS = {"get", "list", "watch"}
 # Components that call no Kubernetes API must not even get a token.
 NO_API = {"webhook", "installer"}
@@ -42,7 +46,8 @@ def test_only_the_node_agent_is_privileged_in_any_way(rendered: dict[str, Docs],
             assert security.get("readOnlyRootFilesystem") is True, where
             assert "ALL" in security.get("capabilities", {}).get("drop", []), where
             added = set(security.get("capabilities", {}).get("add", []))
-            assert added <= (AGENT_CAPABILITIES if agent else set()), f"{where} adds {added}"
+            # The NRI plugin beside the agent opens two root-owned sockets as their owner: no capability at all.
+            assert added <= (AGENT_CAPABILITIES if agent and container["name"] != NRI_CONTAINER else set()), f"{where} adds {added}"
             assert security.get("seccompProfile", {}).get("type") == "RuntimeDefault", where
             if not agent:
                 assert security.get("runAsNonRoot") is True and security.get("runAsUser") != 0, f"{where} may run as root"
@@ -50,7 +55,7 @@ def test_only_the_node_agent_is_privileged_in_any_way(rendered: dict[str, Docs],
 
 
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
-def test_node_agent_host_paths_are_the_library_state_grants_and_read_only_dev(rendered: dict[str, Docs], variant: str) -> None:
+def test_node_agent_host_paths_are_the_library_state_grants_read_only_dev_and_what_nri_needs(rendered: dict[str, Docs], variant: str) -> None:
     docs = rendered[variant]
     (agent,) = [(d, s) for d, s in pod_specs(docs) if component(d) == "nodeagent"]
     doc, spec = agent
@@ -59,10 +64,28 @@ def test_node_agent_host_paths_are_the_library_state_grants_and_read_only_dev(re
     injected = {args["container-vgpu-mount"], args["state-dir"], args["grant-dir"]}
     volumes = {v["name"]: v["hostPath"] for v in spec["volumes"] if "hostPath" in v}
     mounts = {m["name"]: m for c in containers(spec) for m in c.get("volumeMounts", [])}
+    mounted_by = {name: {c["name"] for c in containers(spec) for m in c.get("volumeMounts", []) if m["name"] == name} for name in volumes}
+    plugin = next((c for c in containers(spec) if c["name"] == NRI_CONTAINER), None)
+    agent_env = {e["name"]: e.get("value") for e in next(c for c in spec["containers"] if c["name"] == "nodeagent").get("env", [])}
     for name, host_path in volumes.items():
         path = host_path["path"]
         if path == "/dev":
             assert mounts[name].get("readOnly") is True, "/dev must be read-only"
+            continue
+        # NRI, deliberately: the agent opens a container's cgroup v2 leaf by the host's full path to set the driver's cap
+        # (creation.unified_leaf, only on the decision socket's StartContainer), so it sees the host's hierarchy, read-only
+        # and where the host has it; nothing else does, and only where it answers an NRI plugin at all.
+        if path == "/sys/fs/cgroup":
+            assert mounted_by[name] == {"nodeagent"} and mounts[name]["mountPath"] == path, "the host's cgroups: the agent's, at the host's path"
+            assert mounts[name].get("readOnly") is True, "the agent opens a cgroup leaf, it never writes one"
+            assert agent_env.get("KAI_ISOLATOR_NRI_SOCKET"), "the host's cgroups serve the driver's cap, which only NRI's StartContainer sets"
+            continue
+        # NRI, deliberately: the directory of containerd's NRI socket, to the plugin alone and read-only (a socket is connected
+        # to on a read-only mount), and never a directory that holds the runtime's own sockets.
+        if plugin is not None and name in {m["name"] for m in plugin["volumeMounts"]}:
+            socket = next(a.split("=", 1)[1] for a in plugin["args"] if a.startswith("--nri-socket="))
+            assert path == str(PurePosixPath(socket).parent) and path not in RUNTIME_DIRS, f"the NRI plugin mounts {path} for {socket}"
+            assert mounted_by[name] == {NRI_CONTAINER} and mounts[name].get("readOnly") is True, "containerd's NRI socket: the plugin's, read-only"
             continue
         # Only what the webhook injects into pods: the library dir and (the parent of) the state dir.
         assert any(i == path or i.startswith(path + "/") for i in injected), f"agent mounts unrelated host path {path}"

@@ -18,9 +18,9 @@ from pathlib import Path
 import nats
 import pytest
 
-from contract_tools import SCHEMAS, ContractTools, contract_tools
 from kai_isolator.services.demo.scenario import demo_pod
 from kai_isolator.shared.events import HealthVerdict, PodRef, encode
+from support.contract import SCHEMAS, ContractTools, contract_tools
 
 
 @pytest.fixture(scope="session")

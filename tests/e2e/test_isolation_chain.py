@@ -13,7 +13,7 @@ from kai_isolator.services.admission.pod import find_target, read_pod
 from kai_isolator.services.demo.scenario import CUDA_PROGRAM, HAMI_BUILD, NVIDIA_SMI, demo_pod
 from kai_isolator.shared.contract import GRANT_VOLUME
 from kai_isolator.shared.events import HealthVerdict, PodIsolation
-from support import run_leaving_nothing
+from support.processes import run_leaving_nothing
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_DRIVER = HAMI_BUILD / "fake"

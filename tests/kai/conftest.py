@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.fixtures import _session_plane
 from kai_isolator.services.devcluster.build import _unpack, kai_source
 from kai_isolator.services.devcluster.kai import GPU_MEMORY_LABEL, KAI_NAMESPACE
 from kai_isolator.services.devcluster.plane import ControlPlane
 from kai.real_kai import TENANT, RealKaiAdmission, RealKaiScheduling, ensure_namespace, ensure_runtime_class, real_admission
+from support.control_plane import _session_plane
 
 T4_NODE = "gpu-node-1"
 TWO_GPU_NODE = "two-t4s"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from typing import Any
 
 import pytest
 
@@ -22,17 +21,9 @@ from kai_isolator.services.nodeagent.grant_decision import Inputs, decide, targe
 from kai_isolator.shared.contract import RESERVATION_NAMESPACE, gpu_groups
 from kai.conftest import NODES, T4_NODE, TWO_GPU_NODE
 from kai.real_kai import TENANT, RealKaiScheduling
+from support.pods import Obj, kai_pod
 
 pytestmark = pytest.mark.timeout(900)  # the first run builds KAI's scheduler, binder and podgrouper (minutes)
-Obj = dict[str, Any]
-
-
-def kai_pod(name: str, inits: tuple[str, ...] = (), node: str = T4_NODE, **annotations: str) -> Obj:
-    spec: Obj = {"schedulerName": "kai-scheduler", "containers": [{"name": "main", "image": "busybox"}],
-                 "nodeSelector": {"kubernetes.io/hostname": node}}
-    if inits:
-        spec["initContainers"] = [{"name": n, "image": "busybox"} for n in inits]
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "annotations": annotations}, "spec": spec}
 
 
 def bound(plane: ControlPlane, scheduling: RealKaiScheduling, name: str, timeout_s: float = 60) -> Obj:

@@ -13,9 +13,9 @@ import pytest
 
 from kai_isolator.services.devcluster.build import BuildError
 from kai_isolator.services.devcluster.images import ImageError
-from real_node_fixtures import build_node, cuda_image, real_node, real_node_session  # noqa: F401 - fixtures pytest finds by name
-from real_node_support import build_chart_images
-from support import build_before_tests
+from support.building import build_before_tests
+from support.real_node import build_chart_images
+from support.real_node import build_node, cuda_image, real_node, real_node_session  # noqa: F401 - fixtures pytest finds by name
 
 CHART_FIXTURES = {"chart_images"}
 """What the fixtures that install the chart or the dev overlay ask for: the images of this tree."""

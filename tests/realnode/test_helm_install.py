@@ -2,14 +2,14 @@
 oci://docker.io/projecthami/kai-resource-isolator --version <version>-chart --create-namespace`, with only NATS values),
 from the node's registry with its images pinned by digest: every component comes up in runc containers, `helm test`
 passes, upstream's kind smoke checks pass on it, a library upgrade leaves running pods alone, and `helm uninstall` leaves
-what deploy/README.md says it leaves."""
+what deploy/README.md says it leaves. Each test runs alone as well as after any other: the two that change the release
+have one of their own (`own_release`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -24,9 +24,11 @@ from kai_isolator.shared.contract import (
     CONTAINER_NAME_ENV, CONTAINER_VGPU_MOUNT_ENV, DEFAULT_VGPU_MOUNT, GRANT_MOUNT_PATH, INJECT_ANNOTATION, POD_UID_ENV, PRELOAD_PATH,
     SHARED_CACHE_ENV, STATE_MOUNT_PATH, VGPU_VOLUME,
 )
-from real_node_support import (
-    CHART_IMAGES, NAMESPACE, RELEASE, Node, chart_release, gpu_pod, helm, node_helm, published, push_docker_images, until, workloads,
+from support.pods import cuda_pod
+from support.real_node import (
+    CHART_IMAGES, NAMESPACE, RELEASE, ChartOnNode, Node, helm, node_helm, published, push_docker_images, workloads,
 )
+from support.waiting import until
 
 pytestmark = pytest.mark.timeout(600)
 INSTALL_TIMEOUT = "300s"
@@ -52,10 +54,30 @@ def _pods_of_each_test_go(real_node: Node) -> None:
 
 
 @pytest.fixture(scope="module")
-def release(real_node_session: Node, chart_images: None, cuda_image: str) -> Iterator[Node]:
-    """The chart installed once for this module (`helm install --wait`), uninstalled after it unless a test did."""
-    with chart_release(real_node_session, "kai-isolator-helm-nats", INSTALL_TIMEOUT):
-        yield real_node_session
+def chart(real_node_session: Node, chart_images: None, cuda_image: str) -> Iterator[ChartOnNode]:
+    """The chart on the node for this module, installed when a test first asks; uninstalled after the module."""
+    chart = ChartOnNode(real_node_session, "kai-isolator-helm-nats", INSTALL_TIMEOUT)
+    try:
+        yield chart
+    finally:
+        chart.remove()
+
+
+@pytest.fixture
+def release(chart: ChartOnNode) -> Node:
+    """The chart installed as published (`helm install --wait`), shared with this module's other tests that leave it
+    as they found it."""
+    return chart.installed()
+
+
+@pytest.fixture
+def own_release(chart: ChartOnNode) -> Iterator[Node]:
+    """The chart installed as published, for a test that changes it (upgrades, uninstalls): removed after the test,
+    with the library it left on the node, so the next test that asks installs it afresh on a clean node."""
+    try:
+        yield chart.installed()
+    finally:
+        chart.remove(library=True)
 
 
 def test_every_component_comes_up_on_the_real_node(release: Node) -> None:
@@ -128,12 +150,12 @@ def test_upstreams_kind_smoke_checks_on_the_chart(release: Node, cuda_image: str
     library = until("the node agent installed the library", lambda: active_library(node), 60)
     assert node.node.host_path(library).is_file()
 
-    injected = gpu_pod("as-user", cuda_image, 2048, ["sleep", "infinity"])
+    injected = cuda_pod("as-user", cuda_image, 2048, ["sleep", "infinity"])
     injected["spec"]["securityContext"] = {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True}
-    plain = gpu_pod("plain", cuda_image, 0, ["sleep", "infinity"])
+    plain = cuda_pod("plain", cuda_image, 0, ["sleep", "infinity"])
     plain["metadata"].pop("annotations")
     plain["spec"].pop("schedulerName")
-    opted_out = gpu_pod("opted-out", cuda_image, 2048, ["sleep", "infinity"], {INJECT_ANNOTATION: "false"})
+    opted_out = cuda_pod("opted-out", cuda_image, 2048, ["sleep", "infinity"], {INJECT_ANNOTATION: "false"})
     for pod in (injected, plain, opted_out):
         node.apply_pod(pod)
     for name in ("as-user", "plain", "opted-out"):
@@ -170,9 +192,9 @@ def test_the_webhook_fails_closed(release: Node, cuda_image: str) -> None:
     node.kubectl("scale", deployment, "-n", NAMESPACE, "--replicas=0")
     try:
         node.kubectl("wait", "--for=delete", "pod", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=webhook", "--timeout=60s", timeout_s=90)
-        refused = node.plane.kubectl("apply", "-f", "-", input_text=json.dumps(gpu_pod("unserved", cuda_image, 1024, ["sleep", "infinity"])), check=False)
+        refused = node.plane.kubectl("apply", "-f", "-", input_text=json.dumps(cuda_pod("unserved", cuda_image, 1024, ["sleep", "infinity"])), check=False)
         assert refused.returncode != 0 and "vgpu.lib.kai-resource-isolator.io" in refused.stderr, refused
-        plain = gpu_pod("plain-while-down", cuda_image, 0, ["sleep", "infinity"])
+        plain = cuda_pod("plain-while-down", cuda_image, 0, ["sleep", "infinity"])
         plain["metadata"].pop("annotations")
         plain["spec"].pop("schedulerName")
         node.apply_pod(plain)
@@ -203,10 +225,10 @@ def next_library_image(tmp_path: Path) -> str:
     return hashlib.sha256((tmp_path / "libvgpu.so").read_bytes()).hexdigest()[:16]
 
 
-def test_helm_upgrade_to_a_new_library_leaves_running_pods_alone(release: Node, cuda_image: str, tmp_path: Path) -> None:
-    node = release
+def test_helm_upgrade_to_a_new_library_leaves_running_pods_alone(own_release: Node, cuda_image: str, tmp_path: Path) -> None:
+    node = own_release
     old = until("the node agent installed the library", lambda: active_library(node), 60)
-    node.apply_pod(gpu_pod("before-upgrade", cuda_image, 1024, ["sleep", "infinity"]))
+    node.apply_pod(cuda_pod("before-upgrade", cuda_image, 1024, ["sleep", "infinity"]))
     node.wait_running("before-upgrade", timeout_s=120)
     assert old in node.kubectl("exec", "before-upgrade", "--", "cat", "/proc/1/maps")
 
@@ -227,17 +249,17 @@ def test_helm_upgrade_to_a_new_library_leaves_running_pods_alone(release: Node, 
     assert before["restartCount"] == 0 and "running" in before["state"], before
     assert old in node.kubectl("exec", "before-upgrade", "--", "cat", "/proc/1/maps")
     assert node.node.host_path(old).is_file()  # kept while a process maps it
-    node.apply_pod(gpu_pod("after-upgrade", cuda_image, 1024, ["sleep", "infinity"]))
+    node.apply_pod(cuda_pod("after-upgrade", cuda_image, 1024, ["sleep", "infinity"]))
     node.wait_running("after-upgrade", timeout_s=120)
     maps = node.kubectl("exec", "after-upgrade", "--", "cat", "/proc/1/maps")
     assert new in maps and old not in maps, maps
 
 
-def test_helm_uninstall_leaves_what_the_readme_says(release: Node, cuda_image: str) -> None:
+def test_helm_uninstall_leaves_what_the_readme_says(own_release: Node, cuda_image: str) -> None:
     """deploy/README.md: `helm uninstall`, then `kai-isolator nodeagent uninstall --host-root /` on each GPU node, which
     stops preloading first and keeps any version a process still maps."""
-    node = release
-    node.apply_pod(gpu_pod("outlives-the-release", cuda_image, 1024, ["sleep", "infinity"]))
+    node = own_release
+    node.apply_pod(cuda_pod("outlives-the-release", cuda_image, 1024, ["sleep", "infinity"]))
     node.wait_running("outlives-the-release", timeout_s=120)
     preload = node.node.host_path(DEFAULT_VGPU_MOUNT) / "ld.so.preload"
     mapped = active_library(node)
@@ -265,4 +287,3 @@ def test_helm_uninstall_leaves_what_the_readme_says(release: Node, cuda_image: s
     assert not preload.exists()
     assert node.node.host_path(mapped).is_file(), "a version a running process maps is kept"
     assert mapped in node.kubectl("exec", "outlives-the-release", "--", "cat", "/proc/1/maps")
-    shutil.rmtree(node.node.host_path(DEFAULT_VGPU_MOUNT), ignore_errors=True)  # the next install starts clean

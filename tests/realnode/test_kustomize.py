@@ -16,7 +16,9 @@ import yaml
 
 from kai_isolator.services.devcluster.plane import ControlPlaneError
 from kai_isolator.shared.contract import DEFAULT_VGPU_MOUNT
-from real_node_support import DEV_OVERLAY, NAMESPACE, Node, gpu_pod, nats_volume, pod_logs, published, until, workloads
+from support.pods import cuda_pod
+from support.real_node import DEV_OVERLAY, NAMESPACE, Node, nats_volume, pod_logs, published, workloads
+from support.waiting import until
 
 pytestmark = pytest.mark.timeout(600)
 NATS_VOLUME = "kai-isolator-kustomize-nats"
@@ -85,7 +87,7 @@ def test_a_gpu_sharing_pod_runs_with_the_library(applied: Node, cuda_image: str)
     node = applied
     preload = node.node.host_path(DEFAULT_VGPU_MOUNT) / "ld.so.preload"
     until("the node agent installed the library", preload.is_file, 60)
-    node.apply_pod(gpu_pod("under-kustomize", cuda_image, 2048, ["sleep", "infinity"]))
+    node.apply_pod(cuda_pod("under-kustomize", cuda_image, 2048, ["sleep", "infinity"]))
     pod = node.wait_running("under-kustomize", timeout_s=120)
     assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
     assert f"{DEFAULT_VGPU_MOUNT}/libvgpu.so." in node.kubectl("exec", "under-kustomize", "--", "cat", "/proc/1/maps")

@@ -22,16 +22,18 @@ from typing import Any
 
 import pytest
 
-from kai.real_kai import (
-    RESERVATION_IMAGE, RESERVATION_NAMESPACE, GPU_INDEX_ANNOTATION, TENANT, RealKaiScheduling, ensure_namespace, real_admission,
-)
 from kai_isolator.services.devcluster.build import _unpack, ensure_kai, kai_source
 from kai_isolator.services.devcluster.kai import CONFIGMAP_ANNOTATION, fake_gpu_uuid
 from kai_isolator.services.devcluster.oci import image_archive, with_libraries
 from kai_isolator.services.nodeagent.grant_files import read_grant
 from kai_isolator.shared.contract import DEFAULT_GRANT_DIR
 from deploy.deploy_tools import helm_binary
-from real_node_support import SEED_POD, SEED_POD_NAME, Node, chart_release, gpu_pod, is_running, until
+from kai.real_kai import (
+    RESERVATION_IMAGE, RESERVATION_NAMESPACE, GPU_INDEX_ANNOTATION, TENANT, RealKaiScheduling, ensure_namespace, real_admission,
+)
+from support.pods import cuda_pod
+from support.real_node import SEED_POD, SEED_POD_NAME, Node, chart_release, is_running
+from support.waiting import until
 
 pytestmark = pytest.mark.timeout(900)  # the first run builds KAI's resourcereservation (minutes)
 KAI_CHART = Path("deployments") / "kai-scheduler"
@@ -165,7 +167,7 @@ def test_three_seed_shares_run_on_the_t4_and_the_fourth_stays_pending(real_kai: 
     node.clean()  # the seed's pod, if the test before left it
     names = [f"share-{i}" for i in range(4)]
     for name in names:
-        node.apply_pod(gpu_pod(name, cuda_image, 4096, ["sleep", "infinity"]))
+        node.apply_pod(cuda_pod(name, cuda_image, 4096, ["sleep", "infinity"]))
     # Which three: KAI does not promise creation order (loaded run: the podgrouper made share-2's group after
     # share-3's, so share-3 took the third place and share-2 waited), only that three fit and the fourth does not.
     try:

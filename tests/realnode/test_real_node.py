@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from real_node_support import HAMI_BUILD, Node
+from support.real_node import HAMI_BUILD, Node
 
 GPU_LABELS = {"nvidia.com/gpu.present": "true", "nvidia.com/gpu.memory": "15360", "nvidia.com/gpu.product": "Tesla-T4"}
 

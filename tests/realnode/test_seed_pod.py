@@ -10,13 +10,14 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from real_node_support import SEED_POD, Node, isolated, until
+from kai_isolator.services.devcluster.fake_gpu_ledger import FAKE_CONTEXT_OVERHEAD_BYTES
 from kai_isolator.shared.contract import DEFAULT_VGPU_MOUNT, INJECT_ANNOTATION, PRELOAD_PATH, VGPU_VOLUME
-from kai_isolator.shared.fake_gpu import FAKE_CONTEXT_OVERHEAD_BYTES
+from support.pods import cuda_pod
+from support.real_node import SEED_POD, Node, isolated
+from support.waiting import until
 
 VENV_BIN = Path(sys.executable).parent  # kubectl finds the kubectl-isolator plugin on PATH
 ISOLATED = "kai-resource-isolator.io/Isolated"
@@ -61,18 +62,11 @@ def test_the_seeds_pod_runs_isolated_in_runc(isolated_node: Node) -> None:
         print(json.dumps(node.pod("gpu-sharing-with-isolation")["status"].get("conditions"), indent=1))
 
 
-def kai_pod(name: str, image: str, gpu_memory_mib: int, command: list[str]) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": "default", "annotations": {"gpu-memory": str(gpu_memory_mib)}},
-            "spec": {"schedulerName": "kai-scheduler", "terminationGracePeriodSeconds": 1,
-                     "containers": [{"name": "cuda", "image": image, "imagePullPolicy": "Never", "command": command}]}}
-
-
 def test_a_raw_driver_escape_is_killed_from_runcs_cgroups_and_the_neighbour_keeps_its_memory(isolated_node: Node, cuda_image: str) -> None:
     node = isolated_node
     # The neighbour holds 1 GiB through the library, within its 2048 MiB; the attacker shares the fake GPU.
-    node.apply_pod(kai_pod("neighbour", cuda_image, 2048, ["cuprobe", "init", "ctx", "0", "alloc", str(1 << 30), "hold", "3600000"]))
-    node.apply_pod(kai_pod("attacker", cuda_image, 1024, ["sleep", "infinity"]))
+    node.apply_pod(cuda_pod("neighbour", cuda_image, 2048, ["cuprobe", "init", "ctx", "0", "alloc", str(1 << 30), "hold", "3600000"], pull_policy="Never"))
+    node.apply_pod(cuda_pod("attacker", cuda_image, 1024, ["sleep", "infinity"], pull_policy="Never"))
     node.wait_running("neighbour", timeout_s=120)
     node.wait_running("attacker", timeout_s=120)
     until("the neighbour holds its 1 GiB", lambda: "holding" in node.kubectl("logs", "neighbour"), 30)
@@ -102,11 +96,11 @@ def test_upstreams_kind_smoke_checks_on_the_real_node(isolated_node: Node, cuda_
     assert named.name == "libvgpu.so" and str(named).startswith(f"{DEFAULT_VGPU_MOUNT}/")
     assert node.real.node.host_path(str(named)).is_file()  # type: ignore[union-attr]
 
-    injected = kai_pod("as-user", cuda_image, 2048, ["sleep", "infinity"])
+    injected = cuda_pod("as-user", cuda_image, 2048, ["sleep", "infinity"], pull_policy="Never")
     injected["spec"]["securityContext"] = {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True}
-    plain = {**kai_pod("plain", cuda_image, 0, ["sleep", "infinity"]), "metadata": {"name": "plain", "namespace": "default"}}
+    plain = {**cuda_pod("plain", cuda_image, 0, ["sleep", "infinity"], pull_policy="Never"), "metadata": {"name": "plain", "namespace": "default"}}
     plain["spec"].pop("schedulerName")
-    opted_out = kai_pod("opted-out", cuda_image, 2048, ["sleep", "infinity"])
+    opted_out = cuda_pod("opted-out", cuda_image, 2048, ["sleep", "infinity"], pull_policy="Never")
     opted_out["metadata"]["annotations"][INJECT_ANNOTATION] = "false"
     for pod in (injected, plain, opted_out):
         node.apply_pod(pod)
@@ -136,7 +130,7 @@ def test_a_pod_that_lands_before_the_library_waits_for_it_and_starts_with_it(iso
     aside = library.with_name(library.name + ".aside")
     library.rename(aside)  # the node as it is before the agent's first install
     try:
-        node.apply_pod(kai_pod("early", cuda_image, 2048, ["sleep", "infinity"]))
+        node.apply_pod(cuda_pod("early", cuda_image, 2048, ["sleep", "infinity"], pull_policy="Never"))
 
         def refused() -> str:
             events = json.loads(node.kubectl("get", "events", "--field-selector", "involvedObject.name=early", "-o", "json"))["items"]

@@ -30,7 +30,8 @@ async def node(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[
         pytest.skip("needs root: simulated containers need mount namespaces and writable cgroup hierarchies")
     if not cgroup_hierarchies():
         pytest.skip("needs a writable cgroup hierarchy under /sys/fs/cgroup for the simulated containers (root has none here)")
-    sim = SimNode(tmp_path / "host", tmp_path, request.param)
+    # A module may name the kind of driver its nodes have (DRIVER_BRANCH = 615: NVML 13.4's per-cgroup limits).
+    sim = SimNode(tmp_path / "host", tmp_path, request.param, driver_branch=getattr(request.module, "DRIVER_BRANCH", 580))
     try:
         yield sim
     finally:

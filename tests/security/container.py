@@ -4,7 +4,7 @@ A pod goes through the real admission mutation (services/admission), gets KAI's 
 ConfigMap, and is started by the demo kubelet: private mount namespace, read-only library
 dir and preload (and grant dir when the webhook mounts one), writable state dir, in a cgroup
 named as the kubelet names it. Every process talks to the fake driver, whose books one private
-node-side ledger process keeps (shared/fake_gpu.py, reached through the socket beside the driver's
+node-side ledger process keeps (services/devcluster/fake_gpu_ledger.py, reached through the socket beside the driver's
 libraries, never through anything the tenant sets), so a test asserts on what really reached the
 "driver", then runs the node agent's inspection and the verifier's judgement on the container.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -28,20 +29,20 @@ import jsonpatch
 from kai_isolator.services.admission.injection import InjectionConfig
 from kai_isolator.services.admission.webhook import Webhook
 from kai_isolator.services.demo.kubelet import CgroupPlacement, ContainerProcess, start_container
-from kai_isolator.services.nodeagent import install, observe
+from kai_isolator.services.devcluster.fake_gpu_ledger import FAKE_CONTEXT_OVERHEAD_BYTES, FakeGpu
+from kai_isolator.services.nodeagent import creation, install, observe
 from kai_isolator.services.nodeagent.layout import HostLayout
+from kai_isolator.services.nodeagent.nvml import Nvml
 from kai_isolator.services.verifier.judge import Judgement, judge
 from kai_isolator.shared.cgroups import CgroupDriver
 from kai_isolator.shared.contract import (
     DEFAULT_GRANT_DIR, DEFAULT_VGPU_MOUNT, GPU_MEMORY_ANNOTATION, GRANT_FILE, GRANT_VOLUME, LIMIT_ENV,
 )
 from kai_isolator.shared.events import InspectReply, InspectRequest, PodIsolation, PodRef
-from kai_isolator.shared.fake_gpu import FAKE_CONTEXT_OVERHEAD_BYTES, FakeGpu
 from kai_isolator.shared.grant import DeviceGrant, Grant, GrantSource
 from kai_isolator.shared.limits import parse_limit
-import run_summary
+from support import REPO, pods, run_summary
 
-REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "hami-core" / "build"
 LIBVGPU = BUILD / "libvgpu.so"
 FAKE_DIR = BUILD / "fake"
@@ -52,21 +53,16 @@ GIB = 1 << 30
 MIB = 1 << 20
 CONTEXT = FAKE_CONTEXT_OVERHEAD_BYTES  # what the fake driver charges each context, in NVML's figure for its process
 FAKE_GPU_UUID = "GPU-0000fa4e-1111-2222-3333-000000000000"  # the fake NVML's device 0
+DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 LIBRARY_PATH = f"{DEFAULT_VGPU_MOUNT}/libvgpu.so"  # what the verifier expects in /etc/ld.so.preload
 
 Obj = dict[str, Any]
 
 
-def gpu_pod(name: str, *, gpu_memory: str = "1024", containers: list[Obj] | None = None,
-            annotations: dict[str, str] | None = None) -> Obj:
-    """A pod as a tenant submits it: KAI's gpu-memory annotation, nothing of ours yet."""
-    return {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": NAMESPACE, "uid": str(uuid.uuid4()),
-                     "annotations": {GPU_MEMORY_ANNOTATION: gpu_memory, **(annotations or {})}},
-        "spec": {"schedulerName": "kai-scheduler",
-                 "containers": containers or [{"name": "main", "image": "tenant/cuda:latest", "command": ["train"]}]},
-    }
+# A pod as a tenant submits it (support.pods.gpu_pod: `gpu_memory`, `containers`, `annotations`, ...): KAI's gpu-memory
+# annotation, 1024 MiB unless the test says, a uid of its own, nothing of ours yet.
+gpu_pod = functools.partial(pods.gpu_pod, namespace=NAMESPACE, uid=lambda: str(uuid.uuid4()), gpu_memory="1024",
+                            image="tenant/cuda:latest", command=["train"])
 
 
 def admit(pod: Obj, config: InjectionConfig | None = None) -> Obj:
@@ -92,15 +88,16 @@ def without_grant(pod: Obj) -> Obj:
 
 
 def kai_bind(pod: Obj, limit: str, container: str = "main") -> tuple[Obj, dict[str, dict[str, str]]]:
-    """What KAI adds at binding: the limit env from a ConfigMap its binder writes, and the node."""
+    """What KAI adds at binding: the limit and the reserved GPU (NVIDIA_VISIBLE_DEVICES) from a ConfigMap its
+    binder writes, and the node."""
     bound = json.loads(json.dumps(pod))
     configmap = f"{pod['metadata']['name']}-shared-gpu-0"
     for spec in [*bound["spec"].get("initContainers", []), *bound["spec"]["containers"]]:
         if spec["name"] == container:
-            spec.setdefault("env", []).append({"name": LIMIT_ENV, "valueFrom": {"configMapKeyRef": {
-                "name": configmap, "key": LIMIT_ENV, "optional": True}}})
+            spec.setdefault("env", []).extend({"name": name, "valueFrom": {"configMapKeyRef": {
+                "name": configmap, "key": name, "optional": True}}} for name in (LIMIT_ENV, DEVICES_ENV))
     bound["spec"]["nodeName"] = NODE
-    return bound, {configmap: {LIMIT_ENV: limit}}
+    return bound, {configmap: {LIMIT_ENV: limit, DEVICES_ENV: FAKE_GPU_UUID}}
 
 
 class Background:
@@ -110,8 +107,10 @@ class Background:
         self.process = process
         self.lines: list[str] = []
 
-    async def wait_for(self, text: str, timeout_s: float = 30) -> str:
-        """The first line (from now) containing `text`; fails with everything read if the program exits first."""
+    async def wait_for(self, text: str | tuple[str, ...], timeout_s: float = 30) -> str:
+        """The first line (from now) containing `text` (one of them); fails with everything read if the program exits
+        first."""
+        texts = (text,) if isinstance(text, str) else text
         assert self.process.stdout is not None
         while True:
             raw = await asyncio.wait_for(self.process.stdout.readline(), timeout_s)
@@ -119,7 +118,7 @@ class Background:
                 raise AssertionError(f"exited ({await self.process.wait()}) before printing {text!r}: {self.lines}")
             line = raw.decode().rstrip("\n")
             self.lines.append(line)
-            if text in line:
+            if any(t in line for t in texts):
                 return line
 
     async def stop(self) -> None:
@@ -268,6 +267,7 @@ class SimNode:
     scratch: Path
     driver: CgroupDriver
     gpu_total_mib: int = 15360
+    driver_branch: int = 580  # 615: NVML 13.4's per-cgroup limits, each container's leaf capped as it starts
     layout: HostLayout = field(init=False)
     gpu: FakeGpu = field(init=False)
     placement: CgroupPlacement = field(init=False)
@@ -282,7 +282,7 @@ class SimNode:
         _, self.version = install.read_library(LIBVGPU)
         install.activate(self.layout, self.version, {self.version: LIBVGPU})
         # The node's driver folder: the fake libraries and the ledger's socket beside them (last: stop() ends it).
-        self.gpu = FakeGpu(self.scratch / "nvidia-driver", total_mib=self.gpu_total_mib).start()
+        self.gpu = FakeGpu(self.scratch / "nvidia-driver", total_mib=self.gpu_total_mib, driver_branch=self.driver_branch).start()
 
     @property
     def driver_env(self) -> dict[str, str]:
@@ -320,7 +320,25 @@ class SimNode:
         bound["status"].setdefault(statuses, []).append({"name": container, "containerID": f"containerd://{process.container_id}"})
         started = Container(bound, container, limit, process, self, configmaps)
         self.containers.append(started)
+        if self.driver_branch >= 615:
+            await self.cap_at_start(started)
         return started
+
+    async def cap_at_start(self, container: Container) -> None:
+        """What the node agent's NRI plugin asks at StartContainer on a driver-capped node, answered by the agent's own
+        creation gate: the container's v2 leaf capped at its grant (0 on every device for one that names GPUs without
+        a grant), read back through nvmlDeviceGetMemoryLimits_v1."""
+        driver, mount = Nvml(str(self.gpu.nvml)), creation.v2_mount()
+        assert creation.detect_mode(driver, mount) is creation.NodeMode.DRIVER_CAPPED, "the R615 fake offers no per-cgroup limits here"
+        gate = creation.CreationGate(self.root / DEFAULT_GRANT_DIR.lstrip("/"), creation.NodeMode.DRIVER_CAPPED, driver=driver, mount=mount)
+        ref = container.pod_ref
+        request = creation.CreationRequest(event="start", pod_uid=ref.uid, namespace=ref.namespace, pod=ref.name, container=container.name,
+                                           env=[f"{name}={value}" for name, value in container.env.items()], pid=container.process.pid)
+        try:
+            reply = await gate.decide(request)
+        finally:
+            driver.close()
+        assert reply.allow, reply.reason
 
     def write_grant(self, pod: Obj, container: str, limit: str) -> Path:
         """The grant the node agent writes (root-owned, 0444) before the container starts."""

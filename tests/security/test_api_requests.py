@@ -16,16 +16,16 @@ from typing import Any
 import pytest
 from kubernetes_asyncio import config
 
-from control_plane.fixtures import NAMESPACE, make_namespace
-from control_plane.node import Cluster, GpuNode, gpu_pod
-from control_plane.webhook import RunningWebhook
-from kai_isolator.services.devcluster.kai import CONFIGMAP_ANNOTATION, fake_gpu_uuid
+from kai_isolator.services.devcluster.kai import CONFIGMAP_ANNOTATION, fake_gpu_uuid, kai_admit
 from kai_isolator.services.devcluster.plane import ControlPlane
 from kai_isolator.services.nodeagent.grant_files import read_grant
 from kai_isolator.services.nodeagent.grants import GrantKeeper
 from kai_isolator.shared.contract import GPU_GROUP_LABEL, gpu_groups
 from kai_isolator.shared.events import GrantDecision
 from kai_isolator.shared.grant import GrantSource
+from support.control_plane import Cluster, GpuNode
+from support.pods import gpu_pod, make_namespace
+from support.webhook import NAMESPACE, RunningWebhook
 
 MIB = 1 << 20
 REFUSED = "the GPU-sharing annotations of a pod cannot change once it exists"
@@ -84,7 +84,7 @@ def tenant(control_plane: ControlPlane, gpu_node: GpuNode, webhook: RunningWebho
 def test_the_tenant_cannot_change_the_gpu_request_of_its_pod(control_plane: ControlPlane, tenant: tuple[Cluster, Path],
                                                              change: list[str]) -> None:
     cluster, kubeconfig = tenant
-    pod = cluster.create(gpu_pod("train"))
+    pod = cluster.create(kai_admit(gpu_pod("train", injected=True)))
     cluster.start("train")  # booked and bound by KAI: 4147m on the T4
     done = control_plane.kubectl("annotate", "--overwrite", "-n", cluster.namespace, "pod", "train", *change, kubeconfig=kubeconfig, check=False)
     assert done.returncode != 0 and REFUSED in done.stderr, done.stderr + done.stdout
@@ -104,7 +104,7 @@ def test_a_pod_created_without_a_gpu_request_cannot_be_given_one(control_plane: 
 
 def test_the_tenant_cannot_move_its_bound_pod_to_another_gpu_group(control_plane: ControlPlane, tenant: tuple[Cluster, Path]) -> None:
     cluster, kubeconfig = tenant
-    cluster.create(gpu_pod("placed"))
+    cluster.create(kai_admit(gpu_pod("placed", injected=True)))
     cluster.start("placed")  # KAI's binder put it in GPU 0's group, then bound it
     group = cluster.get("placed")["metadata"]["labels"][GPU_GROUP_LABEL]
     for change in ([f"{GPU_GROUP_LABEL}=someone-elses", "--overwrite"], [f"{GPU_GROUP_LABEL}-"], [f"{GPU_GROUP_LABEL}/extra=extra"]):
@@ -117,7 +117,7 @@ def test_the_tenant_cannot_move_its_bound_pod_to_another_gpu_group(control_plane
 async def test_an_edited_configmap_grants_no_more_than_was_booked(control_plane: ControlPlane, gpu_node: GpuNode,
                                                                  tenant: tuple[Cluster, Path], tmp_path: Path, edit: str) -> None:
     cluster, kubeconfig = tenant
-    pod = cluster.create(gpu_pod(f"edit-{edit}"))
+    pod = cluster.create(kai_admit(gpu_pod(f"edit-{edit}", injected=True)))
     cluster.start(pod["metadata"]["name"])
     # other-gpu: one device, as asked, but not the one KAI reserved for the pod (a whole-GPU tenant's, say).
     data = {"raise-limit": {"CUDA_DEVICE_MEMORY_LIMIT": "15000m"}, "both-gpus": {"NVIDIA_VISIBLE_DEVICES": f"{fake_gpu_uuid(0)},{fake_gpu_uuid(1)}"},

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from cgroup_leaves import OWN_USER_NAMESPACE, PLACE, make_tree, one, readable_gpu, remove_tree, run, unique_top, v2_mount
+from kai_isolator.services.devcluster import fake_gpu_ledger as fake_gpu
+from kai_isolator.services.devcluster.fake_gpu_ledger import FAKE_CONTEXT_OVERHEAD_BYTES as CONTEXT
+from kai_isolator.services.devcluster.fake_gpu_ledger import FakeGpu
 from kai_isolator.services.nodeagent.nvml import Nvml
-from kai_isolator.shared import fake_gpu
-from kai_isolator.shared.fake_gpu import FAKE_CONTEXT_OVERHEAD_BYTES as CONTEXT
-from kai_isolator.shared.fake_gpu import FakeGpu
 from security.container import CUPROBE, GIB, MIB
+from support.cgroups import OWN_USER_NAMESPACE, PLACE, make_tree, one, readable_gpu, remove_tree, run, unique_top, v2_mount
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="tenants run as another user and in their own namespaces (root)")
 

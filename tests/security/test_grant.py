@@ -5,12 +5,13 @@ grant closes every device. Each ends blocked against the fake driver's own node-
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from kai_isolator.shared.contract import DEFAULT_GRANT_DIR, GRANT_FILE
-from kai_isolator.shared.fake_gpu import FakeGpu
+from kai_isolator.services.devcluster.fake_gpu_ledger import FakeGpu
 from security.container import CUPROBE, FAKE_GPU_UUID, GIB, MIB, Container, SimNode, blocked_or_detected, gpu_pod, tenant_grant
 
 HOLD = ["hold", "600000"]
@@ -69,6 +70,7 @@ async def test_a_grant_written_while_the_library_waits_is_obeyed(node: SimNode) 
     await waiting.wait_for(f"s for the grant at /etc/kai-isolator/{GRANT_FILE}")
     assert not any(line.startswith("alloc ") for line in waiting.lines), waiting.lines  # nothing allocated before the grant
     node.write_grant(container.pod, container.name, container.limit)
+    assert re.search(r"found the grant after \d+ ms", await waiting.wait_for("found the grant after"))  # how long it waited
     assert " rc=0" in await waiting.wait_for(f"alloc {512 * MIB}")
     assert " rc=2" in await waiting.wait_for(f"alloc {768 * MIB}")  # 512 + 768 MiB is past the 1 GiB grant
     assert blocked_or_detected(container, GIB) == "blocked"

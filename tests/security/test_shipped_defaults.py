@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -20,9 +20,10 @@ from kai_isolator.services.nodeagent.nvml import Nvml
 from kai_isolator.services.nodeagent.settings import NodeAgentSettings
 from kai_isolator.shared.contract import DEFAULT_GRANT_DIR, FRACTION_CONTAINER_ANNOTATION
 from kai_isolator.shared.events import Breach, PodRef
-from security.container import BUILD, CONTEXT, CUPROBE, GIB, MIB, NODE, Background, Container, SimNode, gpu_pod, record_shipped
+from security.container import CONTEXT, CUPROBE, GIB, MIB, NODE, Container, SimNode, gpu_pod, record_shipped
+from security.escapes import RAWELF, Shipped, inspected, raw
+from support.waiting import eventually
 
-RAWELF = BUILD / "tests" / "rawelf"
 
 
 @pytest.fixture
@@ -31,60 +32,6 @@ def driver_view(node: SimNode, monkeypatch: pytest.MonkeyPatch) -> Iterator[Nvml
     for knob in ("FAKE_NVML_PROCESS_API", "FAKE_NVML_GRAPHICS", "FAKE_NVML_USED"):
         monkeypatch.delenv(knob, raising=False)
     yield Nvml(str(node.gpu.nvml))
-
-
-class Shipped:
-    """The agent's enforcer at its shipped defaults, in its own poll loop; an eviction stops the pod's
-    containers, as the kubelet then does."""
-
-    def __init__(self, node: SimNode, reader: Nvml) -> None:
-        self.node = node
-        self.settings = NodeAgentSettings(node_name=NODE)  # nothing set: what users run
-        self.acted: list[tuple[float, enforce.Target, Breach]] = []
-        self.evicted: list[tuple[float, PodRef]] = []
-        pods = enforce.KnownPods(node.root / DEFAULT_GRANT_DIR.lstrip("/"), lambda: {c.pod_ref.uid: c.pod for c in node.containers})
-        self.enforcer = make_enforcer(self.settings, reader.snapshot, pods, self.report, self.evict)
-
-    async def report(self, target: enforce.Target, breach: Breach) -> None:
-        self.acted.append((time.monotonic(), target, breach))
-
-    async def evict(self, pod: PodRef) -> bool:
-        self.evicted.append((time.monotonic(), pod))
-        for container in self.node.containers:
-            if container.pod_ref.uid == pod.uid:
-                await container.process.stop()
-        return True
-
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[Shipped]:
-        loop = asyncio.create_task(self.enforcer.run(self.settings.enforce_interval_s))
-        try:
-            yield self
-        finally:
-            loop.cancel()
-            await asyncio.gather(loop, return_exceptions=True)
-
-    def first_action(self, container: Container) -> tuple[float, enforce.Target, Breach] | None:
-        found = [(at, t, b) for at, t, b in self.acted if t.pod.uid == container.pod_ref.uid and t.container_id == container.container_id]
-        return found[0] if found else None
-
-    def acted_at(self, container: Container) -> float:
-        first = self.first_action(container)
-        assert first is not None
-        return first[0]
-
-    def verdict(self, container: Container) -> str:
-        """The agent's `breached` verdict on the container, else what the verifier says with the driver's view."""
-        acted = [(t, b) for _, t, b in self.acted if t.pod.uid == container.pod_ref.uid and t.container_id == container.container_id]
-        if acted:
-            return "breached: " + ", ".join(sorted({r.code for t, b in acted for r in enforce.verdict(NODE, t, b).reasons}))
-        judged = container.judge(inspected(container, self.enforcer))
-        return f"{judged.verdict}: {', '.join(r.code for r in judged.reasons) or '-'}"
-
-
-def inspected(container: Container, enforcer: enforce.Enforcer) -> object:
-    return enforce.with_driver_view(container.inspect(), enforce.driver_memory(enforcer.last, fresh_s=60),
-                                    enforce.driver_devices(enforcer, container.pod_ref.uid, container.name, fresh_s=60))
 
 
 def held_by(container: Container) -> int:
@@ -102,26 +49,9 @@ def nested_pids(container: Container) -> set[int]:
     return found
 
 
-async def until(condition: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
-
-
 def row(attack: str, node: SimNode, acted_s: float | None, verdict: str) -> None:
     peak = node.driver_stats()["peak"]
     record_shipped(f"{attack} [{node.driver.value}]", f"{peak >> 20} MiB", "never" if acted_s is None else f"{acted_s:.2f} s", verdict)
-
-
-async def raw(container: Container, nbytes: int, hold_ms: int = 600000) -> Background:
-    """A raw-ELF-lookup allocation past the library, held; returns once the driver gave it the memory."""
-    started = await container.background([str(RAWELF), str(nbytes), str(hold_ms)])
-    assert " rc=0" in await started.wait_for("alloc ")
-    await started.wait_for("holding")
-    return started
 
 
 # --- splitting ------------------------------------------------------------------------------------
@@ -138,13 +68,13 @@ async def test_splitting_across_processes_does_not_buy_an_allowance_each(node: S
         for _ in range(8):
             parts.append(await raw(tenant, 600 * MIB))
             held_at.append(time.monotonic())
-        assert await until(lambda: shipped.first_action(tenant) is not None, 10), f"no action; the container holds {held_by(tenant) >> 20} MiB"
-        assert await until(lambda: held_by(tenant) <= GIB + allowance, 10)
+        assert await eventually(lambda: shipped.first_action(tenant) is not None, 10, every_s=0.05, fail=False), f"no action; the container holds {held_by(tenant) >> 20} MiB"
+        assert await eventually(lambda: held_by(tenant) <= GIB + allowance, 10, every_s=0.05, fail=False)
     _, _, breach = shipped.first_action(tenant) or (0, None, None)
     assert breach is not None and breach.action == "killed" and breach.tolerance_bytes == allowance
     # 8 x 600 MiB down to grant + one allowance; a killed process is reaped a moment after the driver frees it
     reaped = lambda: sum(p.process.returncode is not None for p in parts)  # noqa: E731
-    assert await until(lambda: reaped() >= 6, 10), f"{reaped()} of 8 processes ended"
+    assert await eventually(lambda: reaped() >= 6, 10, every_s=0.05, fail=False), f"{reaped()} of 8 processes ended"
     over = held_at[2]  # the third process took the container past grant + allowance (1800 of 1536 MiB)
     row("split across 8 processes", node, max(0.0, shipped.acted_at(tenant) - over), shipped.verdict(tenant))
 
@@ -157,9 +87,9 @@ async def test_two_processes_that_each_take_the_whole_grant_are_acted_on(node: S
     async with shipped.running():
         first, second = await raw(tenant, GIB), await raw(tenant, GIB)
         held = time.monotonic()
-        assert await until(lambda: shipped.first_action(tenant) is not None, 10), "two whole grants, never acted on"
-        assert await until(lambda: held_by(tenant) <= GIB + CONTEXT, 10)  # the survivor: the grant and its context
-        assert await until(lambda: [first.process.returncode, second.process.returncode].count(None) == 1, 10)
+        assert await eventually(lambda: shipped.first_action(tenant) is not None, 10, every_s=0.05, fail=False), "two whole grants, never acted on"
+        assert await eventually(lambda: held_by(tenant) <= GIB + CONTEXT, 10, every_s=0.05, fail=False)  # the survivor: the grant and its context
+        assert await eventually(lambda: [first.process.returncode, second.process.returncode].count(None) == 1, 10, every_s=0.05, fail=False)
     row("the grant twice (2 processes)", node, shipped.acted_at(tenant) - held, shipped.verdict(tenant))
 
 
@@ -178,8 +108,8 @@ async def test_a_relay_waiting_for_the_kill_is_killed_too(node: SimNode, driver_
         assert "rc=0" in relayed
         took = time.monotonic()
         kills = lambda: len([b for _, t, b in shipped.acted if t.pod.uid == tenant.pod_ref.uid and any(p.killed for p in b.processes)])  # noqa: E731
-        assert await until(lambda: kills() >= 2, 10), f"the relay keeps {held_by(tenant) >> 20} MiB"
-        assert await until(lambda: held_by(tenant) == 0, 10)
+        assert await eventually(lambda: kills() >= 2, 10, every_s=0.05, fail=False), f"the relay keeps {held_by(tenant) >> 20} MiB"
+        assert await eventually(lambda: held_by(tenant) == 0, 10, every_s=0.05, fail=False)
     second = [at for at, t, b in shipped.acted if t.pod.uid == tenant.pod_ref.uid][1]
     row("relay after a kill", node, max(0.0, second - took), shipped.verdict(tenant))
 
@@ -193,7 +123,7 @@ async def test_killing_that_does_not_bring_the_container_back_under_escalates_to
         def evicted_and_reported() -> bool:  # the eviction is asked for before its breach is reported: wait for both
             return bool(shipped.evicted) and any(b.action == "evicted" for _, _, b in shipped.acted)
 
-        assert await until(evicted_and_reported, 20), f"{len(shipped.acted)} kills, {len(shipped.evicted)} evictions"
+        assert await eventually(evicted_and_reported, 20, every_s=0.05, fail=False), f"{len(shipped.acted)} kills, {len(shipped.evicted)} evictions"
     [(at, pod)] = shipped.evicted[:1]
     assert pod.uid == tenant.pod_ref.uid
     # The eviction came with a kill; a poll before the kubelet stops the pod may kill once more.
@@ -211,7 +141,7 @@ async def test_bursts_shorter_than_the_confirming_poll_are_acted_on(node: SimNod
     async with shipped.running():
         began = time.monotonic()
         await tenant.background(["sh", "-c", f"while :; do {RAWELF} {4 * GIB} 200; sleep 0.3; done"])
-        assert await until(lambda: shipped.first_action(tenant) is not None, 15), "bursts past the grant were never acted on"
+        assert await eventually(lambda: shipped.first_action(tenant) is not None, 15, every_s=0.05, fail=False), "bursts past the grant were never acted on"
     _, _, breach = shipped.first_action(tenant) or (0, None, None)
     assert breach is not None and breach.measured_bytes >= 4 * GIB
     row("bursts of 0.2 s, 40 % duty", node, shipped.acted_at(tenant) - began, shipped.verdict(tenant))
@@ -230,8 +160,8 @@ async def test_a_sidecar_of_a_gpu_sharing_pod_is_held_to_nothing(node: SimNode, 
     async with shipped.running():
         hidden = await raw(sidecar, 4 * GIB)
         held = time.monotonic()
-        assert await until(lambda: shipped.first_action(sidecar) is not None, 10), "the sidecar keeps 4 GiB"
-        assert await until(lambda: hidden.process.returncode is not None, 10)
+        assert await eventually(lambda: shipped.first_action(sidecar) is not None, 10, every_s=0.05, fail=False), "the sidecar keeps 4 GiB"
+        assert await eventually(lambda: hidden.process.returncode is not None, 10, every_s=0.05, fail=False)
     _, _, breach = shipped.first_action(sidecar) or (0, None, None)
     assert breach is not None and breach.grant_bytes == 0 and breach.tolerance_bytes == 0
     assert kept.process.returncode is None and held_by(main) == 512 * MIB + CONTEXT  # the target keeps what its grant allows (and its context)
@@ -244,8 +174,8 @@ async def test_a_target_whose_grant_was_withheld_is_held_to_nothing(node: SimNod
     async with shipped.running():
         hidden = await raw(tenant, 4 * GIB)
         held = time.monotonic()
-        assert await until(lambda: shipped.first_action(tenant) is not None, 10), "a target without a grant keeps 4 GiB"
-        assert await until(lambda: hidden.process.returncode is not None, 10)
+        assert await eventually(lambda: shipped.first_action(tenant) is not None, 10, every_s=0.05, fail=False), "a target without a grant keeps 4 GiB"
+        assert await eventually(lambda: hidden.process.returncode is not None, 10, every_s=0.05, fail=False)
     _, target, breach = shipped.first_action(tenant) or (0, None, None)
     assert target is not None and breach is not None and breach.grant_bytes == 0
     [over, _] = enforce.verdict(NODE, target, breach).reasons
@@ -284,8 +214,8 @@ async def test_a_process_in_a_cgroup_below_its_containers_is_the_containers(node
         hidden = await tenant.background(["sh", "-c", script])
         assert " rc=0" in await hidden.wait_for("alloc ")
         held = time.monotonic()
-        assert await until(lambda: shipped.first_action(tenant) is not None, 10), "a nested cgroup hides 4 GiB"
-        assert await until(lambda: hidden.process.returncode is not None, 10)
+        assert await eventually(lambda: shipped.first_action(tenant) is not None, 10, every_s=0.05, fail=False), "a nested cgroup hides 4 GiB"
+        assert await eventually(lambda: hidden.process.returncode is not None, 10, every_s=0.05, fail=False)
     row(f"{nested} cgroup", node, shipped.acted_at(tenant) - held, shipped.verdict(tenant))
 
 

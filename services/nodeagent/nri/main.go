@@ -11,6 +11,10 @@
 // A refusal, or an agent that cannot be reached, fails the request with the reason, which the kubelet shows as
 // the container's CreateContainerError / RunContainerError: fail closed. Containers of other pods never reach
 // the agent, so a node whose agent is down still runs everything else (the agent's own pod included).
+//
+// Beside containerd on a host it exits when containerd drops it, for its supervisor to restart it; in the node agent's
+// DaemonSet (--reconnect) it waits for containerd's NRI socket and connects again itself, so a node without NRI keeps
+// the agent's pod Ready and a containerd restart is rejoined within the interval.
 package main
 
 import (
@@ -143,18 +147,49 @@ func main() {
 	nriSocket := flag.String("nri-socket", "/var/run/nri/nri.sock", "containerd's NRI socket")
 	agentSocket := flag.String("agent-socket", "/var/run/kai-isolator/nri.sock", "the node agent's decision socket")
 	timeout := flag.Duration("timeout", 1800*time.Millisecond, "how long one question to the agent may take; keep it under containerd's plugin_request_timeout")
+	reconnect := flag.Duration("reconnect", 0, "when containerd's NRI socket is absent or containerd drops the plugin (a restart), "+
+		"connect again after this long instead of exiting; 0 exits, for a supervisor to restart it")
 	flag.Parse()
 
 	p := &plugin{socket: *agentSocket, timeout: *timeout}
-	s, err := stub.New(p, stub.WithPluginName(*name), stub.WithPluginIdx(*index), stub.WithSocketPath(*nriSocket),
+	opts := []stub.Option{stub.WithPluginName(*name), stub.WithPluginIdx(*index), stub.WithSocketPath(*nriSocket),
 		// Past the request timeout the runtime fails the request instead of creating the container without us.
-		stub.WithFailurePolicy(&api.FailurePolicy{FailRequest: true}))
-	if err != nil {
-		fmt.Fprintf(os.Stderr, "kai-isolator-nri: %v\n", err)
-		os.Exit(1)
-	}
-	if err = s.Run(context.Background()); err != nil {
-		fmt.Fprintf(os.Stderr, "kai-isolator-nri: %v\n", err)
-		os.Exit(1)
+		stub.WithFailurePolicy(&api.FailurePolicy{FailRequest: true})}
+	said := ""
+	for {
+		if *reconnect > 0 {
+			if _, err := os.Stat(*nriSocket); err != nil {
+				// No NRI on this node (yet): wait quietly, without a stub (each one logs its creation).
+				if message := fmt.Sprint(err); message != said {
+					fmt.Fprintf(os.Stderr, "kai-isolator-nri: waiting for containerd's NRI socket: %s\n", message)
+					said = message
+				}
+				time.Sleep(*reconnect)
+				continue
+			}
+		}
+		// A fresh stub per connection: one that lost its runtime is not meant to be started again.
+		s, err := stub.New(p, opts...)
+		if err != nil { // a bad name or index: no retry mends it
+			fmt.Fprintf(os.Stderr, "kai-isolator-nri: %v\n", err)
+			os.Exit(1)
+		}
+		began := time.Now()
+		err = s.Run(context.Background())
+		if *reconnect <= 0 {
+			fmt.Fprintf(os.Stderr, "kai-isolator-nri: %v\n", err)
+			os.Exit(1)
+		}
+		// In a DaemonSet beside the agent: a node whose containerd runs no NRI keeps the pod Ready (nothing to join),
+		// and a containerd restart is rejoined within the interval, not after the kubelet's growing back-off. Said
+		// once per kind of failure, so a node without NRI does not log every interval.
+		if time.Since(began) > *reconnect {
+			said = "" // it was connected: whatever ended it is news
+		}
+		if message := fmt.Sprint(err); message != said {
+			fmt.Fprintf(os.Stderr, "kai-isolator-nri: %s; connecting again every %s\n", message, *reconnect)
+			said = message
+		}
+		time.Sleep(*reconnect)
 	}
 }

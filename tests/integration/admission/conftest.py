@@ -15,6 +15,7 @@ import trustme
 from kai_isolator.services.admission.server import AdmissionServer
 from kai_isolator.services.admission.settings import AdmissionSettings
 from kai_isolator.shared.settings import BusSettings
+from support.pods import gpu_pod
 
 ServerFactory = Callable[..., Awaitable[AdmissionServer]]
 
@@ -75,12 +76,11 @@ async def client(tls_files: TlsFiles) -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-def gpu_pod(name: str = "train-0", namespace: str = "team-a", **annotations: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": namespace, "annotations": {"gpu-fraction": "0.5", **annotations}},
-        "spec": {"securityContext": {"seccompProfile": {"type": "RuntimeDefault"}}, "containers": [{"name": "main", "image": "busybox"}]},
-    }
+def review_pod(name: str = "train-0", namespace: str = "team-a", **annotations: str) -> dict[str, Any]:
+    """A tenant's pod as these tests send it for review (support.pods.gpu_pod): half a GPU, confined by seccomp, no
+    scheduler named."""
+    return gpu_pod(name, namespace=namespace, gpu_memory=None, gpu_fraction="0.5", annotations=annotations, scheduler=None,
+                   securityContext={"seccompProfile": {"type": "RuntimeDefault"}})
 
 
 def review_bytes(pod: dict[str, Any], uid: str = "uid-1") -> bytes:
@@ -93,5 +93,5 @@ def review_bytes(pod: dict[str, Any], uid: str = "uid-1") -> bytes:
 
 @pytest.fixture
 def reviews() -> Any:
-    """(gpu_pod, review_bytes) builders."""
-    return gpu_pod, review_bytes
+    """(review_pod, review_bytes) builders."""
+    return review_pod, review_bytes

@@ -16,7 +16,8 @@ from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.events import AdmissionDecision
 from kai_isolator.shared.settings import BusSettings
 
-from support import RuntimeFactory, eventually
+from support.bus import RuntimeFactory
+from support.waiting import eventually
 
 JSON = {"Content-Type": "application/json"}
 

@@ -12,7 +12,7 @@ from cryptography import x509
 
 from kai_isolator.services.admission.server import AdmissionServer
 
-from support import eventually
+from support.waiting import eventually
 
 
 async def served_serial(server: AdmissionServer, context: ssl.SSLContext) -> int:

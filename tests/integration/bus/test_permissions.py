@@ -17,12 +17,12 @@ from kai_isolator.services.watcher.settings import WatcherSettings
 from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.embedded_nats import server_binary
-from kai_isolator.shared.ports import free_port
 from kai_isolator.shared.errors import BusError
 from kai_isolator.shared.events import InspectReply, InspectRequest, PodIsolation, PodRef
 from kai_isolator.shared.lease import LEASE_BUCKET, Lease
+from kai_isolator.shared.ports import free_port
 from kai_isolator.shared.settings import BusSettings
-from support import eventually
+from support.waiting import eventually
 
 BUCKETS = [WatcherSettings().state_bucket, WatcherSettings().resume_bucket, VerifierSettings().health_bucket,
            subjects.NODE_STATUS_BUCKET, LEASE_BUCKET, ROLLOUT_BUCKET]

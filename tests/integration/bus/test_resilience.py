@@ -12,15 +12,12 @@ from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import Runtime, connect, end_connection
 from kai_isolator.shared.embedded_nats import EmbeddedNats
 from kai_isolator.shared.errors import BusError
-from kai_isolator.shared.events import HealthVerdict, PodIsolation, PodRef
+from kai_isolator.shared.events import HealthVerdict, PodIsolation
 from kai_isolator.shared.settings import BusSettings
-from support import RuntimeFactory, eventually, publish_until_stored
+from support.bus import RuntimeFactory, pod_event, publish_until_stored
+from support.waiting import eventually
 
 DRAIN_SERVICE = Path(__file__).with_name("drain_service.py")
-
-
-def pod_event(name: str) -> PodIsolation:
-    return PodIsolation(pod=PodRef(namespace="ns", name=name, uid=f"uid-{name}"), resource_version="1", state="running")
 
 
 async def start_drain_service(url: str, journal: Path) -> asyncio.subprocess.Process:
@@ -37,7 +34,7 @@ async def test_sigterm_finishes_the_message_in_hand_and_returns_the_rest(
 
     observer = await start_runtime("observer", lambda r: r.on_event("health", subjects.ALL_HEALTH, collect))
     for name in ("p1", "p2", "p3"):
-        await observer.publish(pod_event(name))
+        await observer.publish(pod_event(name, namespace="ns"))
     journal = tmp_path / "journal"
     first = await start_drain_service(bus_settings.nats_url or "", journal)
     await eventually(lambda: journal.exists() and "start p1" in journal.read_text())
@@ -69,7 +66,7 @@ async def test_nats_server_crash_and_restart_loses_nothing(
 
     async def publish_all() -> None:
         for i in range(total):
-            await publish_until_stored(publisher, pod_event(f"p{i}"))
+            await publish_until_stored(publisher, pod_event(f"p{i}", namespace="ns"))
             await asyncio.sleep(0.002)
 
     publishing = asyncio.create_task(publish_all())
@@ -94,7 +91,7 @@ async def test_embedded_default_starts_and_stops_a_private_server() -> None:
     async with bus_url(settings) as url:
         runtime = Runtime("svc", settings)
         await runtime.start(url)
-        await runtime.publish(pod_event("p1"))
+        await runtime.publish(pod_event("p1", namespace="ns"))
         info = await runtime.jetstream.stream_info(subjects.STREAM_NAME)
         assert info.state.messages == 1
         await runtime.stop()

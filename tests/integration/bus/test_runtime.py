@@ -17,11 +17,8 @@ from kai_isolator.shared.events import (
     DeadLetter, HealthVerdict, InspectReply, InspectRequest, NodeStatus, PodIsolation, PodRef, decode,
 )
 
-from support import RuntimeFactory, eventually
-
-
-def pod_event(name: str, rv: str = "1", state: str = "running") -> PodIsolation:
-    return PodIsolation(pod=PodRef(namespace="team-a", name=name, uid=f"uid-{name}"), resource_version=rv, state=state)  # type: ignore[arg-type]
+from support.bus import RuntimeFactory, pod_event
+from support.waiting import eventually
 
 
 async def dead_letters(runtime: Runtime, service: str, count: int) -> list[DeadLetter]:
@@ -194,8 +191,8 @@ async def test_duplicate_message_id_is_dropped(start_runtime: RuntimeFactory) ->
 
     runtime = await start_runtime("svc", lambda r: r.on_event("pods", subjects.ALL_PODS, on_pod))
     for _ in range(3):
-        await runtime.publish(pod_event("p1", rv="7"))
-    await runtime.publish(pod_event("p1", rv="8"))
+        await runtime.publish(pod_event("p1", resource_version="7"))
+    await runtime.publish(pod_event("p1", resource_version="8"))
     await eventually(lambda: len(handled) == 2)
     await asyncio.sleep(0.3)
     assert [e.resource_version for e in handled] == ["7", "8"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kai_isolator.shared import subjects
 from kai_isolator.shared.events import NodeStatus, decode
-from support import RuntimeFactory
+from support.bus import RuntimeFactory
 
 CLI = [sys.executable, "-m", "kai_isolator.services.cli"]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from kai_isolator.shared.embedded_nats import EmbeddedNats
-from kai_isolator.shared.ports import free_port
 from kai_isolator.shared.events import NodeStatus, decode
-from support import RuntimeFactory, publish_until_stored
+from kai_isolator.shared.ports import free_port
+from support.bus import RuntimeFactory, publish_until_stored
 
 CLI = [sys.executable, "-m", "kai_isolator.services.cli"]
 

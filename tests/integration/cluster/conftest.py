@@ -2,7 +2,7 @@
 
 `bus_settings` is overridden here, so every fixture built on it (`start_runtime`, `start_agent`)
 runs on the cluster in these tests. Kubernetes is the real API server: `dev_cluster`
-(tests/control_plane/fixtures.py), with KAI-Scheduler and the GPU node simulated through it.
+(tests/support/control_plane.py), with KAI-Scheduler and the GPU node simulated through it.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import nats
 import nats.errors
@@ -71,16 +71,6 @@ async def stream_state(cluster: EmbeddedCluster, stream: str = subjects.STREAM_N
         return info.state.messages, info.config.num_replicas or 1, current
     finally:
         await nc.close()
-
-
-def gpu_pod(name: str, node: str = "gpu-node-1") -> dict[str, Any]:
-    """A pod asking for a GPU share without the webhook's library (its story: admitted .. running).
-
-    Bound by the simulated KAI scheduler to the node its nodeSelector names; KAI's admission adds the limit env.
-    """
-    return {"metadata": {"name": name, "annotations": {"gpu-memory": "4096"}},
-            "spec": {"schedulerName": "kai-scheduler", "containers": [{"name": "main", "image": "busybox"}],
-                     "nodeSelector": {"kubernetes.io/hostname": node}}}
 
 
 async def stream_events(url: str, filter_subject: str) -> list[Any]:

@@ -43,17 +43,18 @@ from kai_isolator.services.admission.certs import issue
 from kai_isolator.services.admission.server import AdmissionServer
 from kai_isolator.services.admission.settings import AdmissionSettings
 from kai_isolator.services.devcluster.cluster import ApiCallError, DevCluster
+from kai_isolator.services.devcluster.fake_gpu_ledger import FakeGpu
 from kai_isolator.services.nodeagent.agent import NodeAgent
 from kai_isolator.services.nodeagent.dev import LIBRARY
 from kai_isolator.services.nodeagent.settings import NodeAgentSettings
 from kai_isolator.shared import subjects
 from kai_isolator.shared.embedded_nats import ClusterMember, EmbeddedCluster
-from kai_isolator.shared.ports import free_port
-from kai_isolator.shared.tail import read_stream
 from kai_isolator.shared.events import AdmissionDecision, HealthVerdict, PodIsolation, decode
-from kai_isolator.shared.fake_gpu import FakeGpu
 from kai_isolator.shared.operator_view import ISOLATED_CONDITION
+from kai_isolator.shared.ports import free_port
 from kai_isolator.shared.settings import BusSettings
+from kai_isolator.shared.tail import read_stream
+from support.waiting import eventually
 
 from .conftest import lease_holder, stream_leader, stream_state
 
@@ -178,13 +179,6 @@ async def poll_readiness(services: list[Probed], stop: asyncio.Event) -> None:
                 await asyncio.wait_for(stop.wait(), 0.25)
 
 
-async def until(condition: Callable[[], Awaitable[bool]], timeout_s: float, what: str, every_s: float = 0.25) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await condition():
-        assert time.monotonic() < deadline, f"not reached in {timeout_s:.0f}s: {what}"
-        await asyncio.sleep(every_s)
-
-
 # --- the services --------------------------------------------------------------------------------
 
 
@@ -220,7 +214,7 @@ async def spawn(kind: str, url: str, kubeconfig: Path, logs: Path, extra_env: di
         async def ready() -> bool:
             assert process.returncode is None, f"{kind} exited {process.returncode}: {log_path.read_text(errors='replace')[-2000:]}"
             return await service.status(session, "/readyz") == 200
-        await until(ready, 90, f"{kind} ready")
+        await eventually(ready, 90, what=f"{kind} ready", every_s=0.25)
     return service
 
 
@@ -266,7 +260,7 @@ async def replica_holding(url: str, key: str, replicas: list[Probed]) -> Probed:
         pid = holder_pid(await lease_holder(url, key))
         holding[:] = [r for r in replicas if r.process is not None and r.process.pid == pid]
         return bool(holding)
-    await until(held, 30, f"a replica holds {key}")
+    await eventually(held, 30, what=f"a replica holds {key}", every_s=0.25)
     return holding[0]
 
 
@@ -383,7 +377,7 @@ async def inject_faults(cluster: EmbeddedCluster, timeline: Timeline, start_repl
         leader.kill()
         await asyncio.sleep(4)
         await asyncio.to_thread(leader.start)
-        await until(lambda: caught_up(cluster), 60, "stream replicas current after the leader's restart")
+        await eventually(lambda: caught_up(cluster), 60, what="stream replicas current after the leader's restart", every_s=0.25)
     await asyncio.sleep(3)
     async with timeline.fault("stream follower SIGKILL"):
         current_leader = await stream_leader(cluster)
@@ -391,14 +385,14 @@ async def inject_faults(cluster: EmbeddedCluster, timeline: Timeline, start_repl
         follower.kill()
         await asyncio.sleep(4)
         await asyncio.to_thread(follower.start)
-        await until(lambda: caught_up(cluster), 60, "stream replicas current after the follower's restart")
+        await eventually(lambda: caught_up(cluster), 60, what="stream replicas current after the follower's restart", every_s=0.25)
     await asyncio.sleep(3)
     async with timeline.fault("stream leader partitioned"):
         partitioned = await stream_leader(cluster)
         partitioned.pause()  # SIGSTOP: its sockets stay open, it answers nobody
         await asyncio.sleep(6)
         partitioned.resume()
-        await until(lambda: caught_up(cluster), 60, "stream replicas current after the partition healed")
+        await eventually(lambda: caught_up(cluster), 60, what="stream replicas current after the partition healed", every_s=0.25)
     await asyncio.sleep(3)
     async with timeline.fault("watcher leader SIGKILL"):
         await kill(await replica_holding(url, "watcher.all", watchers))
@@ -487,7 +481,7 @@ async def test_whole_stack_under_churn_through_nats_and_replica_faults(
             return not stories.missing(pods)
 
         with contextlib.suppress(AssertionError):  # what is still missing then is named by check()
-            await until(told, 60, "every pod's story on the bus", every_s=2)
+            await eventually(told, 60, what="every pod's story on the bus", every_s=2)
         stop_polling.set()
         await poller
         await check(stories, pods, refused, probed, timeline, agents, admission)
@@ -503,7 +497,7 @@ async def settle(dev_cluster: DevCluster, live: list[ChurnPod]) -> None:
     async def all_judged() -> bool:
         pods = {p["metadata"]["name"]: p for p in await dev_cluster.list("pods", NAMESPACE)}
         return all(judged(pods[p.name]) for p in live if p.name in pods)
-    await until(all_judged, 90, "a verdict for every live pod", every_s=1)
+    await eventually(all_judged, 90, what="a verdict for every live pod", every_s=1)
     for pod in live:
         with contextlib.suppress(ApiCallError):
             await dev_cluster.delete("pods", NAMESPACE, pod.name)
@@ -511,7 +505,7 @@ async def settle(dev_cluster: DevCluster, live: list[ChurnPod]) -> None:
 
     async def empty() -> bool:
         return not await dev_cluster.list("pods", NAMESPACE)
-    await until(empty, 60, "every deleted pod gone from the API", every_s=0.5)
+    await eventually(empty, 60, what="every deleted pod gone from the API", every_s=0.5)
 
 
 async def check(stories: Stories, pods: list[ChurnPod], refused: list[str], probed: list[Probed], timeline: Timeline,

@@ -17,8 +17,8 @@ from kai_isolator.services.nodeagent import install
 from kai_isolator.services.nodeagent.layout import version_of
 from kai_isolator.shared import subjects
 from kai_isolator.shared.settings import BusSettings
-from nodeagent_harness import Libraries
-from support import RuntimeFactory
+from support.bus import RuntimeFactory
+from support.nodeagent import Libraries
 
 NODES = [f"gpu-node-{i}" for i in range(1, 5)]
 

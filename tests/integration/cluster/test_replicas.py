@@ -14,7 +14,7 @@ from kai_isolator.shared.embedded_nats import EmbeddedCluster
 from kai_isolator.shared.errors import BusError
 from kai_isolator.shared.events import AdmissionDecision
 from kai_isolator.shared.settings import BusSettings
-from support import RuntimeFactory
+from support.bus import RuntimeFactory
 
 from .conftest import stream_leader, stream_records, stream_state
 

@@ -5,10 +5,6 @@ are split between the replicas, and a replica SIGKILLed mid-work loses nothing."
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
-import urllib.error
-import urllib.request
 from collections import Counter
 from itertools import count
 from pathlib import Path
@@ -19,10 +15,11 @@ import pytest
 from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.shared import subjects
 from kai_isolator.shared.embedded_nats import EmbeddedCluster
-from kai_isolator.shared.ports import free_port
-from kai_isolator.shared.events import DeviceUsage, HealthVerdict, InspectReply, InspectRequest, NodeStatus, PodIsolation, PodRef, ProcessReport
+from kai_isolator.shared.events import DeviceUsage, HealthVerdict, InspectReply, InspectRequest, NodeStatus, ProcessReport
 from kai_isolator.shared.settings import BusSettings
-from support import RuntimeFactory, eventually
+from support.bus import RuntimeFactory, injected_pod_event
+from support.processes import ServiceProcess, start_service
+from support.waiting import eventually
 
 from .conftest import stream_events
 
@@ -47,50 +44,17 @@ class AgentStandIn:
                             processes=[process], devices=[device])
 
 
-class VerifierProcess:
-    def __init__(self, process: asyncio.subprocess.Process, port: int, log: Path) -> None:
-        self.process, self.port, self.log = process, port, log
-
-    def get(self, path: str) -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as response:
-                return response.status, response.read().decode()
-        except urllib.error.HTTPError as error:
-            return error.code, error.read().decode()
-        except OSError:
-            return 0, ""
-
-    def handled_ok(self, consumer: str) -> float:
-        _, text = self.get("/metrics")
-        prefix = f'kai_isolator_bus_messages_total{{handler="{consumer}",outcome="ok"}} '
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
+VERIFIER_ENV = {"KAI_ISOLATOR_NATS_REPLICAS": "3", "KAI_ISOLATOR_NATS_PING_INTERVAL_S": "1", "KAI_ISOLATOR_BACKOFF_BASE_S": "0.05",
+                "KAI_ISOLATOR_ACK_WAIT_S": "3",
+                # One message per fetch, so the replicas really share each consumer's messages.
+                "KAI_ISOLATOR_FETCH_BATCH": "1",
+                # No periodic pass: every inspection the test counts comes from an event.
+                "KAI_ISOLATOR_VERIFIER_REVERIFY_S": "3600", "KAI_ISOLATOR_VERIFIER_PENDING_RETRY_S": "3600",
+                "KAI_ISOLATOR_LOG_LEVEL": "info"}
 
 
-async def start_verifier(url: str, workdir: Path) -> VerifierProcess:
-    port = free_port()
-    env = {**os.environ, "KAI_ISOLATOR_NATS_URL": url, "KAI_ISOLATOR_NATS_REPLICAS": "3", "KAI_ISOLATOR_NATS_PING_INTERVAL_S": "1",
-           "KAI_ISOLATOR_BACKOFF_BASE_S": "0.05", "KAI_ISOLATOR_ACK_WAIT_S": "3",
-           # One message per fetch, so the replicas really share each consumer's messages.
-           "KAI_ISOLATOR_FETCH_BATCH": "1",
-           # No periodic pass: every inspection the test counts comes from an event.
-           "KAI_ISOLATOR_VERIFIER_REVERIFY_S": "3600", "KAI_ISOLATOR_VERIFIER_PENDING_RETRY_S": "3600",
-           "KAI_ISOLATOR_LOG_LEVEL": "info"}
-    log = workdir / f"verifier-{port}.log"
-    with open(log, "wb") as out:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kai_isolator.services.cli", "verifier", "--no-kubernetes-events",
-            "--probe-listen", f"127.0.0.1:{port}", env=env, stdout=out, stderr=out)
-    verifier = VerifierProcess(process, port, log)
-    await eventually(lambda: verifier.get("/readyz")[0] == 200, timeout_s=60)
-    return verifier
-
-
-def pod_event(name: str, node: str) -> PodIsolation:
-    return PodIsolation(pod=PodRef(namespace="team-a", name=name, uid=f"uid-{name}"), resource_version="5", state="running",
-                        node_name=node, container="main", injected=True, expected_limit="4147m")
+def handled_ok(verifier: ServiceProcess, consumer: str) -> float:
+    return verifier.metric(f'kai_isolator_bus_messages_total{{handler="{consumer}",outcome="ok"}}')
 
 
 async def consumers_settled(url: str) -> bool:
@@ -136,7 +100,8 @@ async def test_two_verifiers_judge_once_reverify_once_and_survive_a_kill(
 
     await start_runtime("agent", answer_inspections)
     publisher = await start_runtime("watcher-stand-in")
-    verifiers = [await start_verifier(url, tmp_path) for _ in range(2)]
+    verifiers = [await start_service(["verifier", "--no-kubernetes-events"], {"KAI_ISOLATOR_NATS_URL": url, **VERIFIER_ENV}, tmp_path,
+                                     ready_timeout_s=60) for _ in range(2)]
     sequence = count(1)
 
     async def report(node: str, version: str) -> None:
@@ -149,16 +114,16 @@ async def test_two_verifiers_judge_once_reverify_once_and_survive_a_kill(
     for node in NODES:
         await report(node, "v1")
     for name, node in pods.items():
-        await publisher.publish(pod_event(name, node))
+        await publisher.publish(injected_pod_event(name, node_name=node))
     await until_settled(url)
     assert Counter(agent.asked) == {p: 1 for p in pods}  # each pod judged once, by one replica
-    assert all(v.handled_ok("verifier-pods") > 0 for v in verifiers)  # ... and the replicas shared them
+    assert all(handled_ok(v, "verifier-pods") > 0 for v in verifiers)  # ... and the replicas shared them
 
     # Heartbeats of an unchanged version, then the change and its heartbeats, alternating between the
     # replicas: a replica keeping versions in memory would miss the change or re-verify it twice.
     for _ in range(4):
         await report("gpu-1", "v1")
-    assert all(v.handled_ok("verifier-nodes") >= 2 for v in verifiers)
+    assert all(handled_ok(v, "verifier-nodes") >= 2 for v in verifiers)
     before_change = len(agent.asked)
     for version in ("v2", "v2", "v2", "v2"):
         await report("gpu-1", version)
@@ -172,9 +137,9 @@ async def test_two_verifiers_judge_once_reverify_once_and_survive_a_kill(
     await publisher.publish(NodeStatus(node_name="gpu-1", sequence=next(sequence), ready=True, active_version="v3"))
     late_pods = {f"late{i}": "gpu-2" for i in range(6)}
     for name, node in late_pods.items():
-        await publisher.publish(pod_event(name, node))
+        await publisher.publish(injected_pod_event(name, node_name=node))
 
-    def worker() -> VerifierProcess | None:
+    def worker() -> ServiceProcess | None:
         for v in verifiers:
             if "re-verifying the node's pods" in v.log_text()[logged[id(v)]:]:
                 return v

@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -19,63 +17,23 @@ import pytest
 from kai_isolator.services.devcluster.cluster import ApiCallError, DevCluster
 from kai_isolator.shared import subjects
 from kai_isolator.shared.embedded_nats import EmbeddedCluster
-from kai_isolator.shared.ports import free_port
 from kai_isolator.shared.events import PodIsolation
-from support import eventually
+from support.pods import T4, gpu_pod
+from support.processes import ServiceProcess, start_service
+from support.waiting import eventually
 
-from .conftest import gpu_pod, lease_holder, stream_events, stream_leader
+from .conftest import lease_holder, stream_events, stream_leader
 
 FULL_STORY = ["admitted", "isolation-missing", "scheduled", "running"]
 LEASE_KEY = "watcher.all"
 TTL_S = 2.0
+# Active/standby on a short lease, resume points saved often, quick retries on the R3 cluster.
+WATCHER_ENV = {"KAI_ISOLATOR_NATS_REPLICAS": "3", "KAI_ISOLATOR_NATS_PING_INTERVAL_S": "1", "KAI_ISOLATOR_BACKOFF_BASE_S": "0.05",
+               "KAI_ISOLATOR_WATCHER_LEASE_TTL_S": str(TTL_S), "KAI_ISOLATOR_WATCHER_RESUME_SAVE_INTERVAL_S": "0.2",
+               "KAI_ISOLATOR_WATCHER_BACKOFF_MAX_S": "0.5", "KAI_ISOLATOR_LOG_LEVEL": "info"}
 
 
-class WatcherProcess:
-    def __init__(self, process: asyncio.subprocess.Process, probe_port: int) -> None:
-        self.process = process
-        self.probe_port = probe_port
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def get(self, path: str) -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.probe_port}{path}", timeout=2) as response:
-                return response.status, response.read().decode()
-        except urllib.error.HTTPError as error:
-            return error.code, error.read().decode()
-
-    def metric(self, name: str) -> float:
-        _, text = self.get("/metrics")
-        values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
-        return values[0] if values else 0.0
-
-
-async def start_watcher(url: str, kubeconfig: Path, logs: Path) -> WatcherProcess:
-    """A watcher process on the cluster, its output in `logs` (the test's own dir: the kubeconfig's is the session's)."""
-    port = free_port()
-    env = {**os.environ, "KAI_ISOLATOR_NATS_URL": url, "KAI_ISOLATOR_NATS_REPLICAS": "3", "KAI_ISOLATOR_NATS_PING_INTERVAL_S": "1",
-           "KAI_ISOLATOR_BACKOFF_BASE_S": "0.05", "KAI_ISOLATOR_WATCHER_LEASE_TTL_S": str(TTL_S),
-           "KAI_ISOLATOR_WATCHER_RESUME_SAVE_INTERVAL_S": "0.2", "KAI_ISOLATOR_WATCHER_BACKOFF_MAX_S": "0.5",
-           "KAI_ISOLATOR_LOG_LEVEL": "info"}
-    log = open(logs / f"watcher-{port}.log", "wb")  # noqa: SIM115 - the child writes it until it ends
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kai_isolator.services.cli", "watcher", "--kubeconfig", str(kubeconfig),
-        "--probe-listen", f"127.0.0.1:{port}", env=env, stdout=log, stderr=log)
-    log.close()
-    watcher = WatcherProcess(process, port)
-    await eventually(lambda: watcher.get("/healthz")[0] == 200 if _listening(port) else False, timeout_s=30)
-    return watcher
-
-
-def _listening(port: int) -> bool:
-    import socket
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0
-
-
-async def leader_of(url: str, watchers: list[WatcherProcess]) -> WatcherProcess:
+async def leader_of(url: str, watchers: list[ServiceProcess]) -> ServiceProcess:
     for _ in range(200):
         holder = await lease_holder(url, LEASE_KEY)
         for w in watchers:
@@ -88,8 +46,10 @@ async def leader_of(url: str, watchers: list[WatcherProcess]) -> WatcherProcess:
 @pytest.mark.timeout(400)
 async def test_two_watchers_through_watcher_and_nats_faults_lose_and_repeat_nothing(nats_cluster: EmbeddedCluster, dev_cluster: DevCluster,
                                                                                    tmp_path: Path) -> None:
-    url, kubeconfig = nats_cluster.url, dev_cluster.kubeconfig
-    watchers = [await start_watcher(url, kubeconfig, tmp_path), await start_watcher(url, kubeconfig, tmp_path)]
+    args, env = ["watcher", "--kubeconfig", str(dev_cluster.kubeconfig)], {"KAI_ISOLATOR_NATS_URL": nats_cluster.url, **WATCHER_ENV}
+    url = nats_cluster.url
+    # Each watcher's log in the test's own dir (the kubeconfig's is the session's); started once its /healthz answers.
+    watchers = [await start_service(args, env, tmp_path, ready="/healthz") for _ in range(2)]
     created: list[str] = []
     deleted: list[str] = []
     stop_churn = asyncio.Event()
@@ -100,7 +60,7 @@ async def test_two_watchers_through_watcher_and_nats_faults_lose_and_repeat_noth
         i = 0
         while not stop_churn.is_set():
             name = f"p-{i}"
-            await dev_cluster.create("pods", gpu_pod(name), "default")
+            await dev_cluster.create("pods", gpu_pod(name, node=T4), "default")
             created.append(name)
             if i % 7 == 6:
                 victim = created[i - 5]
@@ -135,7 +95,7 @@ async def test_two_watchers_through_watcher_and_nats_faults_lose_and_repeat_noth
         first.process.kill()  # SIGKILL the active watcher mid-stream
         await first.process.wait()
         watchers.remove(first)
-        watchers.append(await start_watcher(url, kubeconfig, tmp_path))  # as its Deployment would replace it
+        watchers.append(await start_service(args, env, tmp_path, ready="/healthz"))  # as its Deployment would replace it
         await asyncio.sleep(2 * TTL_S)
 
         second = await leader_of(url, watchers)

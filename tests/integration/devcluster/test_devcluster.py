@@ -9,9 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -20,30 +18,17 @@ from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.services.devcluster.kai import CONFIGMAP_ANNOTATION, LIMIT_ENV, fake_gpu_uuid
 from kai_isolator.services.devcluster.kubelet import EXIT_CODE_ANNOTATION, RUN_SECONDS_ANNOTATION
 from kai_isolator.services.devcluster.plane import ApiCallError
+from support.pods import Obj, gpu_pod
+from support.waiting import eventually
 
 BIN = Path(sys.executable).parent
-Obj = dict[str, Any]
-
-
-def gpu_pod(name: str, annotations: dict[str, str] | None = None, **spec: Any) -> Obj:
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "annotations": {"gpu-memory": "4096", **(annotations or {})}},
-            "spec": {"schedulerName": "kai-scheduler", "containers": [{"name": "main", "image": "busybox"}], **spec}}
-
-
-async def eventually(check: Any, timeout_s: float = 20) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = await check()
-        if result or time.monotonic() > deadline:
-            return result
-        await asyncio.sleep(0.05)
 
 
 async def phase(cluster: DevCluster, name: str, wanted: str) -> Obj | None:
     async def check() -> Obj | None:
         pod = await cluster.get("pods", "default", name)
         return pod if pod["status"].get("phase") == wanted else None
-    return await eventually(check)  # type: ignore[no-any-return]
+    return await eventually(check, 20, every_s=0.05, fail=False)  # type: ignore[no-any-return]
 
 
 async def test_kubectl_create_gets_kai_admission_then_binding_then_running(dev_cluster: DevCluster, tmp_path: Path) -> None:
@@ -67,7 +52,7 @@ async def test_kubectl_create_gets_kai_admission_then_binding_then_running(dev_c
 
 async def test_kai_admission_refuses_a_pod_whose_fraction_container_is_missing(dev_cluster: DevCluster) -> None:
     with pytest.raises(ApiCallError) as refused:
-        await dev_cluster.create("pods", gpu_pod("no-target", {"gpu-fraction-container-name": "sidecar"}))
+        await dev_cluster.create("pods", gpu_pod("no-target", annotations={"gpu-fraction-container-name": "sidecar"}))
     # controller-runtime's Denied (403) with the gpusharing plugin's message, as the real KAI answers (tests/kai).
     assert refused.value.code == 403 and "container with name sidecar not found for fraction request" in str(refused.value)
 
@@ -80,7 +65,7 @@ async def test_plain_pods_meet_neither_kai_nor_a_scheduler(dev_cluster: DevClust
 
 
 async def test_pods_end_by_annotation_and_a_graceful_delete_is_confirmed_by_the_node(dev_cluster: DevCluster) -> None:
-    await dev_cluster.create("pods", gpu_pod("short", {RUN_SECONDS_ANNOTATION: "0.2", EXIT_CODE_ANNOTATION: "3"}))
+    await dev_cluster.create("pods", gpu_pod("short", annotations={RUN_SECONDS_ANNOTATION: "0.2", EXIT_CODE_ANNOTATION: "3"}))
     failed = await phase(dev_cluster, "short", "Failed")
     assert failed is not None and failed["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 3
     await dev_cluster.create("pods", gpu_pod("long"))
@@ -92,7 +77,7 @@ async def test_pods_end_by_annotation_and_a_graceful_delete_is_confirmed_by_the_
 
 async def test_a_kubelet_may_write_only_its_own_pods(dev_cluster: DevCluster) -> None:
     await dev_cluster.add_node("gpu-node-2", 40960)
-    await dev_cluster.create("pods", gpu_pod("elsewhere", nodeSelector={"kubernetes.io/hostname": "gpu-node-2"}))
+    await dev_cluster.create("pods", gpu_pod("elsewhere", node="gpu-node-2"))
     running = await phase(dev_cluster, "elsewhere", "Running")
     assert running is not None and running["spec"]["nodeName"] == "gpu-node-2"
     limit = await dev_cluster.get("configmaps", "default", running["metadata"]["annotations"][CONFIGMAP_ANNOTATION] + "-0")

@@ -6,9 +6,6 @@ init-container targets, hamicore off, and pods KAI does not schedule."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import pytest
 
@@ -18,35 +15,16 @@ from kai_isolator.services.devcluster.kai import (
     fake_gpu_uuid, gpu_group,
 )
 from kai_isolator.services.devcluster.plane import ApiCallError
+from support.pods import T4, Obj, kai_pod
+from support.waiting import eventually
 
-Obj = dict[str, Any]
-T4 = "gpu-node-1"
-
-
-def kai_pod(name: str, node: str = T4, scheduler: str | None = "kai-scheduler", inits: tuple[str, ...] = (), **annotations: str) -> Obj:
-    spec: Obj = {"containers": [{"name": "main", "image": "busybox"}], "nodeSelector": {"kubernetes.io/hostname": node}}
-    if scheduler:
-        spec["schedulerName"] = scheduler
-    if inits:
-        spec["initContainers"] = [{"name": n, "image": "busybox"} for n in inits]
-    return {"metadata": {"name": name, "annotations": annotations}, "spec": spec}
-
-
-async def eventually(check: Callable[[], Awaitable[Any]], what: str, timeout_s: float = 10) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = await check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f}s"
-        await asyncio.sleep(0.05)
 
 
 async def bound(cluster: DevCluster, name: str) -> Obj:
     async def check() -> Obj | None:
         pod = await cluster.get("pods", "default", name)
         return pod if pod["spec"].get("nodeName") else None
-    return await eventually(check, f"pod {name} bound")  # type: ignore[no-any-return]
+    return await eventually(check, 10, what=f"pod {name} bound", every_s=0.05)  # type: ignore[no-any-return]
 
 
 async def still_pending(cluster: DevCluster, name: str, for_s: float = 1.5) -> Obj:
@@ -85,15 +63,15 @@ async def test_a_node_without_the_memory_label_before_and_after_pr_2157(dev_clus
     """KAI plans such a node at 100 MiB: gpu-memory pods never fit; a fraction fits, and its bind then writes no limit
     (before #2157) or fails (after), leaving the pod Pending and no ConfigMap."""
     await gpu_node(dev_cluster, "unlabelled", None)
-    await dev_cluster.create("pods", kai_pod("by-memory", "unlabelled", **{"gpu-memory": "1024"}))
-    await dev_cluster.create("pods", kai_pod("by-fraction", "unlabelled", **{"gpu-fraction": "0.5"}))
+    await dev_cluster.create("pods", kai_pod("by-memory", node="unlabelled", **{"gpu-memory": "1024"}))
+    await dev_cluster.create("pods", kai_pod("by-fraction", node="unlabelled", **{"gpu-fraction": "0.5"}))
     pod = await bound(dev_cluster, "by-fraction")
     data = (await capabilities(dev_cluster, pod))["data"]
     assert LIMIT_ENV not in data and data["GPU_PORTION"] == "0.50" and data["NVIDIA_VISIBLE_DEVICES"] == fake_gpu_uuid(0)
     await still_pending(dev_cluster, "by-memory")
     assert dev_cluster.scheduler is not None
     dev_cluster.scheduler.options = KaiOptions(fail_bind_without_limit=True)
-    after = await dev_cluster.create("pods", kai_pod("after-2157", "unlabelled", **{"gpu-fraction": "0.25"}))
+    after = await dev_cluster.create("pods", kai_pod("after-2157", node="unlabelled", **{"gpu-fraction": "0.25"}))
     await still_pending(dev_cluster, "after-2157")
     with pytest.raises(ApiCallError) as missing:
         await capabilities(dev_cluster, after)
@@ -105,7 +83,7 @@ async def test_a_16384_card_before_and_after_pr_2041(dev_cluster: DevCluster, fl
     await gpu_node(dev_cluster, "a16", 16384)
     assert dev_cluster.scheduler is not None
     dev_cluster.scheduler.options = KaiOptions(floor_gpu_memory=floor)
-    await dev_cluster.create("pods", kai_pod("rounded", "a16", **{"gpu-memory": "4096"}))
+    await dev_cluster.create("pods", kai_pod("rounded", node="a16", **{"gpu-memory": "4096"}))
     data = (await capabilities(dev_cluster, await bound(dev_cluster, "rounded")))["data"]
     assert (data["GPU_PORTION"], data[LIMIT_ENV]) == (portion, limit)
 
@@ -115,7 +93,7 @@ async def test_several_devices_get_one_portion_each_and_every_uuid(dev_cluster: 
     await gpu_node(dev_cluster, "two-gpus", 15360, gpus=2)
     assert dev_cluster.scheduler is not None
     dev_cluster.scheduler.options = KaiOptions(cdi=cdi)
-    await dev_cluster.create("pods", kai_pod("multi", "two-gpus", **{"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"}))
+    await dev_cluster.create("pods", kai_pod("multi", node="two-gpus", **{"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"}))
     pod = await bound(dev_cluster, "multi")
     data = (await capabilities(dev_cluster, pod))["data"]
     prefix = CDI_PREFIX if cdi else ""
@@ -123,7 +101,7 @@ async def test_several_devices_get_one_portion_each_and_every_uuid(dev_cluster: 
     assert (data["GPU_PORTION"], data[LIMIT_ENV]) == ("0.50", "7680m")  # per device
     groups = {k: v for k, v in pod["metadata"]["labels"].items() if k.startswith(GPU_GROUP_LABEL)}
     assert groups == {f"{GPU_GROUP_LABEL}/{gpu_group('two-gpus', i)}": gpu_group("two-gpus", i) for i in (0, 1)}
-    await dev_cluster.create("pods", kai_pod("multi-on-one", T4, **{"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"}))
+    await dev_cluster.create("pods", kai_pod("multi-on-one", node=T4, **{"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"}))
     await still_pending(dev_cluster, "multi-on-one")  # one card cannot hold two devices' shares
 
 

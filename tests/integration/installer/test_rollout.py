@@ -9,7 +9,6 @@ import sys
 import nats.errors
 import pytest
 
-from nodeagent_harness import Libraries
 from kai_isolator.services.installer import rollout
 from kai_isolator.services.nodeagent import install
 from kai_isolator.services.nodeagent.layout import version_of
@@ -17,7 +16,8 @@ from kai_isolator.shared import subjects
 from kai_isolator.shared.errors import ConfigError
 from kai_isolator.shared.events import RolloutProgress, decode
 from kai_isolator.shared.settings import BusSettings
-from support import RuntimeFactory
+from support.bus import RuntimeFactory
+from support.nodeagent import Libraries
 
 NODES = [f"gpu-node-{i}" for i in range(1, 6)]
 BUCKETS = [rollout.NODE_BUCKET, rollout.ROLLOUT_BUCKET]

@@ -14,7 +14,7 @@ from kubernetes_asyncio import config
 
 from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.services.devcluster.plane import ApiCallError
-from plugin_cluster import Cluster
+from support.kubectl_plugin import Cluster
 
 TENANT_ROLE = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "tenant-reader"},
                "rules": [{"apiGroups": [""], "resources": ["pods", "events"], "verbs": ["get", "list", "watch"]}]}

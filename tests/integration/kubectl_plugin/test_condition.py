@@ -3,9 +3,9 @@ left alone on a retried verdict, the kubelet's own conditions kept, lastTransiti
 
 from __future__ import annotations
 
-from plugin_cluster import Cluster
 from kai_isolator.shared.events import HealthVerdict, PodRef, Reason
 from kai_isolator.shared.operator_view import ISOLATED_CONDITION
+from support.kubectl_plugin import Cluster
 
 
 def verdict(pod: dict, kind: str, code: str = "", observation: str = "o") -> HealthVerdict:  # type: ignore[type-arg]

@@ -14,10 +14,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from plugin_cluster import BIN, Cluster, run
 from kai_isolator.services.kubectl_plugin.views import NodeList, PodStory, StatusList
 from kai_isolator.services.verifier.view import NodeViews
 from kai_isolator.shared.events import Breach, BreachedProcess, DeviceUsage, HealthVerdict, NodeStatus, PodRef, Reason, UsageReport
+from support.kubectl_plugin import BIN, Cluster, run
 
 MIB = 1 << 20
 

@@ -9,7 +9,6 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from nodeagent_harness import MIB, Libraries, namespaced_worker, preloaded_worker
 from kai_isolator.services.demo.kubelet import CgroupPlacement, new_container_id
 from kai_isolator.services.nodeagent import install
 from kai_isolator.services.nodeagent.layout import version_of
@@ -17,7 +16,9 @@ from kai_isolator.services.nodeagent.settings import NODE_BUCKET
 from kai_isolator.shared.events import (
     InspectReply, InspectRequest, InstallReply, InstallRequest, NodeStatus, PodIsolation, PodRef,
 )
-from support import RuntimeFactory, eventually
+from support.bus import RuntimeFactory
+from support.nodeagent import MIB, Libraries, namespaced_worker, preloaded_worker
+from support.waiting import eventually
 
 UID = "3f2a9c1e-0000-4000-8000-000000000001"
 POD = PodRef(namespace="team-a", name="job-0", uid=UID)

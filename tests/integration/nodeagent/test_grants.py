@@ -21,15 +21,17 @@ import pytest
 from kubernetes_asyncio import client, config
 
 from kai_isolator.services.devcluster.cluster import DevCluster
-from kai_isolator.services.devcluster.kai import fake_gpu_uuid, gpu_group_labels, reservation_pod, reserve
+from kai_isolator.services.devcluster.kai import CONFIGMAP_ANNOTATION, fake_gpu_uuid, gpu_group_labels, reservation_pod, reserve
 from kai_isolator.services.nodeagent.grant_files import grant_path, read_grant
 from kai_isolator.services.nodeagent.grants import GrantKeeper
 from kai_isolator.shared import subjects
 from kai_isolator.shared.events import GrantDecision, decode
 from kai_isolator.shared.grant import GrantSource
 from kai_isolator.shared.settings import BusSettings
+from support.pods import T4, Obj, gpu_pod
+from support.waiting import eventually
 
-NODE = "gpu-node-1"
+NODE = T4
 MIB = 1 << 20
 
 
@@ -105,20 +107,10 @@ async def keepers(api: client.ApiClient, tmp_path: Path) -> AsyncIterator[Keeper
     await made.stop()
 
 
-def gpu_pod(name: str, *, node: str | None = None, selector: str | None = NODE, configmap: str | None = None, **annotations: str) -> dict[str, Any]:
-    """A KAI pod for the simulated KAI to bind, or, with `node`, created bound as if KAI's binder had placed it on the
-    node's first GPU (its GPU-group label; `reserved` makes the reservation pod) but written no ConfigMap."""
-    spec: dict[str, Any] = {"schedulerName": "kai-scheduler", "containers": [{"name": "main", "image": "x"}]}  # KAI admits only its own
-    metadata: dict[str, Any] = {"name": name}
-    if node:
-        spec["nodeName"] = node
-        metadata["labels"] = gpu_group_labels(node, [0])
-    elif selector:
-        spec["nodeSelector"] = {"kubernetes.io/hostname": selector}
-    metadata["annotations"] = {"gpu-memory": "4096", **annotations}
-    if configmap:
-        metadata["annotations"]["runai/shared-gpu-configmap"] = configmap  # the ConfigMap name KAI's admission uses
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+def placed(name: str, configmap: str) -> Obj:
+    """A KAI pod created bound, as if KAI's binder had placed it on the node's first GPU (its GPU-group label;
+    `reserved` makes the reservation pod) but written no ConfigMap (`configmap`, the name KAI's admission gave it)."""
+    return gpu_pod(name, node_name=NODE, labels=gpu_group_labels(NODE, [0]), annotations={CONFIGMAP_ANNOTATION: configmap})
 
 
 async def reserved(cluster: DevCluster, node: str = NODE) -> None:
@@ -131,13 +123,6 @@ async def wait_for_file(path: Path, timeout_s: float = 10) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} never appeared"
-        await asyncio.sleep(0.02)
-
-
-async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not reached in time"
         await asyncio.sleep(0.02)
 
 
@@ -162,7 +147,7 @@ async def bound_to(cluster: DevCluster, name: str, timeout_s: float = 10) -> str
 
 async def test_a_bound_pod_gets_its_grant_from_kais_configmap_and_loses_it_when_deleted(dev_cluster: DevCluster, keepers: Keepers) -> None:
     await keepers.start()
-    pod = await dev_cluster.create("pods", gpu_pod("train"), "default")
+    pod = await dev_cluster.create("pods", gpu_pod("train", node=NODE), "default")
     uid = pod["metadata"]["uid"]
     path = grant_path(keepers.root, uid, "main")
     await wait_for_file(path)
@@ -179,11 +164,11 @@ async def test_a_bound_pod_gets_its_grant_from_kais_configmap_and_loses_it_when_
 
 async def test_pods_of_other_nodes_and_pods_not_sharing_a_gpu_get_nothing(dev_cluster: DevCluster, keepers: Keepers) -> None:
     await keepers.start()
-    elsewhere = await dev_cluster.create("pods", gpu_pod("elsewhere", selector="gpu-node-2"), "default")
-    plain = gpu_pod("plain")
+    elsewhere = await dev_cluster.create("pods", gpu_pod("elsewhere", node="gpu-node-2"), "default")
+    plain = gpu_pod("plain", node=NODE)
     plain["metadata"]["annotations"] = {}
     await dev_cluster.create("pods", plain, "default")
-    await dev_cluster.create("pods", gpu_pod("here"), "default")
+    await dev_cluster.create("pods", gpu_pod("here", node=NODE), "default")
     await keepers.decision(lambda d: d.pod.name == "here" and d.outcome == "written")
     # The other node's pod really is bound (to gpu-node-2), so leaving it alone is the keeper's doing.
     assert await bound_to(dev_cluster, "elsewhere") == "gpu-node-2"
@@ -196,13 +181,13 @@ async def test_a_missing_configmap_is_waited_for_and_a_tenant_raised_limit_loses
     await keepers.start()
     # Created bound: no binder ran, so no ConfigMap was written (KAI's admission keeps the ConfigMap name it is given).
     await reserved(dev_cluster)
-    pod = await dev_cluster.create("pods", gpu_pod("early", node=NODE, configmap="early-cm"), "default")
+    pod = await dev_cluster.create("pods", placed("early", "early-cm"), "default")
     uid = pod["metadata"]["uid"]
     withheld = await keepers.decision(lambda d: d.outcome == "withheld")
     assert [r.code for r in withheld.reasons] == ["configmap-missing"] and "early-cm-0" in withheld.reasons[0].message
     assert not grant_path(keepers.root, uid, "main").exists()
     looked = keepers.looks[uid]
-    await until(lambda: keepers.looks[uid] >= looked + 3, "three more retries")  # the same fact is published once
+    await eventually(lambda: keepers.looks[uid] >= looked + 3, what="three more retries")  # the same fact is published once
     assert len([d for d in keepers.decisions if d.outcome == "withheld"]) == 1
     # The tenant writes the ConfigMap itself, with the whole card.
     await dev_cluster.create("configmaps", {"metadata": {"name": "early-cm-0"},
@@ -218,7 +203,7 @@ async def test_bad_inputs_withhold_the_grant_with_a_reason(dev_cluster: DevClust
     await keepers.start()
     await dev_cluster.create("configmaps", {"metadata": {"name": "bad-cm-0"},
                                             "data": {"CUDA_DEVICE_MEMORY_LIMIT": "4147m", "NVIDIA_VISIBLE_DEVICES": "all"}}, "default")
-    pod = await dev_cluster.create("pods", gpu_pod("bad", node=NODE, configmap="bad-cm"), "default")
+    pod = await dev_cluster.create("pods", placed("bad", "bad-cm"), "default")
     withheld = await keepers.decision(lambda d: d.outcome == "withheld")
     assert [r.code for r in withheld.reasons] == ["devices-invalid"] and "'all'" in withheld.reasons[0].message
     assert not grant_path(keepers.root, pod["metadata"]["uid"], "main").parent.exists()
@@ -226,7 +211,7 @@ async def test_bad_inputs_withhold_the_grant_with_a_reason(dev_cluster: DevClust
 
 async def test_a_written_grant_survives_a_deleted_configmap_and_is_never_raised(dev_cluster: DevCluster, keepers: Keepers) -> None:
     await keepers.start()
-    pod = await dev_cluster.create("pods", gpu_pod("steady"), "default")
+    pod = await dev_cluster.create("pods", gpu_pod("steady", node=NODE), "default")
     uid = pod["metadata"]["uid"]
     await keepers.decision(lambda d: d.outcome == "written")
     configmap = pod["metadata"]["annotations"]["runai/shared-gpu-configmap"] + "-0"  # the name KAI's admission chose
@@ -244,8 +229,8 @@ async def test_a_written_grant_survives_a_deleted_configmap_and_is_never_raised(
 
 async def test_restart_keeps_grants_untouched_and_drops_those_of_pods_deleted_meanwhile(dev_cluster: DevCluster, keepers: Keepers) -> None:
     await keepers.start()
-    staying = await dev_cluster.create("pods", gpu_pod("staying"), "default")
-    leaving = await dev_cluster.create("pods", gpu_pod("leaving"), "default")
+    staying = await dev_cluster.create("pods", gpu_pod("staying", node=NODE), "default")
+    leaving = await dev_cluster.create("pods", gpu_pod("leaving", node=NODE), "default")
     for pod in (staying, leaving):
         await wait_for_file(grant_path(keepers.root, pod["metadata"]["uid"], "main"))
     inode = grant_path(keepers.root, staying["metadata"]["uid"], "main").stat().st_ino
@@ -260,7 +245,7 @@ async def test_restart_keeps_grants_untouched_and_drops_those_of_pods_deleted_me
 
 async def test_a_410_mid_watch_relists_and_misses_nothing(dev_cluster: DevCluster, keepers: Keepers) -> None:
     await keepers.start()
-    before = await dev_cluster.create("pods", gpu_pod("before"), "default")
+    before = await dev_cluster.create("pods", gpu_pod("before", node=NODE), "default")
     before_grant = grant_path(keepers.root, before["metadata"]["uid"], "main")
     await wait_for_file(before_grant)
     await keepers.decision(lambda d: d.pod.name == "before" and d.outcome == "written")
@@ -272,7 +257,7 @@ async def test_a_410_mid_watch_relists_and_misses_nothing(dev_cluster: DevCluste
     await dev_cluster.compact()
     assert keepers.relists == 1
     await restart_apiserver_abruptly(dev_cluster)
-    after = await dev_cluster.create("pods", gpu_pod("after-compaction"), "default")
+    after = await dev_cluster.create("pods", gpu_pod("after-compaction", node=NODE), "default")
     await wait_for_file(grant_path(keepers.root, after["metadata"]["uid"], "main"), timeout_s=30)
     assert keepers.relists == 2  # resumed, met 410, relisted once
     assert before_grant.stat().st_ino == inode  # the relist left the grant it already had alone
@@ -293,12 +278,12 @@ async def test_the_node_agent_writes_grants_and_publishes_decisions_on_the_bus(d
     await nc.subscribe(subjects.ALL_GRANTS, cb=collect)
     try:
         agent = await start_agent(NODE, kubeconfig=dev_cluster.kubeconfig)
-        pod = await dev_cluster.create("pods", gpu_pod("via-agent"), "default")
+        pod = await dev_cluster.create("pods", gpu_pod("via-agent", node=NODE), "default")
         path = grant_path(agent.grant_root, pod["metadata"]["uid"], "main")
         await wait_for_file(path)
         assert agent.grant_root == agent.settings.host_root / "var/lib/kai-isolator/grants"
         assert json.loads(path.read_text())["devices"] == [{"uuid": fake_gpu_uuid(0), "limit_bytes": 4147 * MIB}]
-        await until(lambda: bool(received), "a grant decision on the bus")
+        await eventually(lambda: bool(received), what="a grant decision on the bus")
         assert (received[0].outcome, received[0].node_name, received[0].pod.name) == ("written", NODE, "via-agent")
     finally:
         await nc.drain()
@@ -327,7 +312,7 @@ async def test_a_withheld_grant_is_written_on_the_pod_as_an_event_and_named_by_t
     agent = await start_agent(NODE, kubeconfig=dev_cluster.kubeconfig)
     await dev_cluster.create("configmaps", {"metadata": {"name": "held-cm-0"},
                                             "data": {"CUDA_DEVICE_MEMORY_LIMIT": "4147m", "NVIDIA_VISIBLE_DEVICES": "all"}}, "default")
-    pod = await dev_cluster.create("pods", gpu_pod("held", node=NODE, configmap="held-cm"), "default")
+    pod = await dev_cluster.create("pods", placed("held", "held-cm"), "default")
     uid = pod["metadata"]["uid"]
     deadline = time.monotonic() + 10
     while not (events := [e for e in await dev_cluster.list("events", "default") if e.get("reason") == "GrantWithheld"]):

@@ -13,16 +13,9 @@ from typing import Any
 from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.services.devcluster.kai import GPU_MEMORY_LABEL, KaiOptions
 from kai_isolator.services.nodeagent.grant_files import grant_path
+from support.pods import T4, Obj, kai_pod
 
-NODE = "gpu-node-1"
-Obj = dict[str, Any]
-
-
-def kai_pod(name: str, scheduler: str | None = "kai-scheduler", **annotations: str) -> Obj:
-    spec: Obj = {"containers": [{"name": "main", "image": "busybox"}], "nodeSelector": {"kubernetes.io/hostname": NODE}}
-    if scheduler:
-        spec["schedulerName"] = scheduler
-    return {"metadata": {"name": name, "annotations": annotations}, "spec": spec}
+NODE = T4
 
 
 async def withheld_event(cluster: DevCluster, uid: str, timeout_s: float = 10) -> Obj:

@@ -14,11 +14,11 @@ import pytest
 import trustme
 import yaml
 
+from kai_isolator.services.devcluster.kai import kai_admit
 from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane
 from kai_isolator.shared.ports import free_port
-from control_plane.fixtures import NAMESPACE, make_namespace
-from control_plane.node import kai_admit
-from control_plane.webhook import SECRET, RunningWebhook, run_certs
+from support.pods import make_namespace
+from support.webhook import NAMESPACE, SECRET, RunningWebhook, run_certs
 
 SEED_POD = """\
 apiVersion: v1

@@ -12,7 +12,10 @@ import pytest
 import yaml
 
 from kai_isolator.services.devcluster.plane import ApiCallError, ControlPlane
-from control_plane.fixtures import BASE, NAMESPACE, REPO, make_namespace
+from support import REPO
+from support.control_plane import BASE
+from support.pods import make_namespace
+from support.webhook import NAMESPACE
 
 sys.path.insert(0, str(REPO / "tests" / "deploy"))  # importlib mode: the deploy checks' tool helpers
 from deploy_tools import CHART, HELM_VARIANTS, helm_binary, run_tool, set_flags  # noqa: E402

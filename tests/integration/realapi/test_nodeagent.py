@@ -9,15 +9,16 @@ from pathlib import Path
 
 from kubernetes_asyncio import config
 
+from kai_isolator.services.devcluster.kai import fake_gpu_uuid, kai_admit
 from kai_isolator.services.devcluster.plane import ControlPlane
-from control_plane.fixtures import NAMESPACE, make_namespace
-from control_plane.node import NO_WEBHOOK, Cluster, GpuNode, gpu_pod
 from kai_isolator.services.nodeagent.grant_files import grant_path, read_grant
 from kai_isolator.services.nodeagent.grants import GrantKeeper
-from kai_isolator.services.devcluster.kai import fake_gpu_uuid
 from kai_isolator.shared.events import GrantDecision, PodRef
 from kai_isolator.shared.grant import GrantSource
 from kai_isolator.shared.kube_events import post_event
+from support.control_plane import Cluster, GpuNode, NO_WEBHOOK
+from support.pods import gpu_pod, make_namespace
+from support.webhook import NAMESPACE
 
 
 MIB = 1 << 20
@@ -46,7 +47,7 @@ async def test_grants_and_events_under_the_node_agents_rbac(control_plane: Contr
         task = asyncio.create_task(keeper.run())
         try:
             await asyncio.wait_for(keeper.synced.wait(), 10)
-            pod = cluster.create(gpu_pod("train"))
+            pod = cluster.create(kai_admit(gpu_pod("train", injected=True)))
             cluster.start("train")
             uid = pod["metadata"]["uid"]
             await _until(lambda: any(d.outcome == "written" and d.pod.uid == uid for d in decisions))

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from kai_isolator.services.devcluster.plane import ControlPlane
-from control_plane.fixtures import NAMESPACE, make_namespace
+from support.pods import make_namespace
+from support.webhook import NAMESPACE
 
 Access = tuple[str, str, str, str]  # (apiGroup, resource[/subresource], verb, resourceName or "")
 WEBHOOK_TLS = "kai-resource-isolator-webhook-tls"

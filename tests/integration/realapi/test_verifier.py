@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 
+from kai_isolator.services.devcluster.kai import kai_admit
 from kai_isolator.services.devcluster.plane import ControlPlane
-from control_plane.fixtures import NAMESPACE, make_namespace
-from control_plane.node import NO_WEBHOOK, Cluster, GpuNode, gpu_pod
 from kai_isolator.services.verifier.kube import PodNotifier
 from kai_isolator.shared.events import HealthVerdict, PodRef, Reason
 from kai_isolator.shared.operator_view import ISOLATED_CONDITION, NODE_VIEW_ANNOTATION, NodeAgentView
+from support.control_plane import Cluster, GpuNode, NO_WEBHOOK
+from support.pods import gpu_pod, make_namespace
+from support.webhook import NAMESPACE
 
 
 
@@ -18,7 +20,7 @@ async def test_verdicts_reach_the_pod_and_the_node_under_the_verifiers_rbac(cont
                                                                             deployed: list[dict]) -> None:
     ns = make_namespace(control_plane, "verified", labels=NO_WEBHOOK)
     cluster = Cluster(control_plane, gpu_node, ns)
-    pod = cluster.create(gpu_pod("webhook-was-down", injected=False))
+    pod = cluster.create(kai_admit(gpu_pod("webhook-was-down")))
     cluster.start("webhook-was-down")
     verdict = HealthVerdict(pod=PodRef(namespace=ns, name="webhook-was-down", uid=pod["metadata"]["uid"]), node_name=gpu_node.name,
                             container="main", verdict="missing", reasons=[Reason(code="not-injected", message="no libvgpu mount")],

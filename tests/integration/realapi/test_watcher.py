@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+from kai_isolator.services.devcluster.kai import kai_admit
 from kai_isolator.services.devcluster.plane import ControlPlane
-from control_plane.fixtures import make_namespace
-from control_plane.node import NO_WEBHOOK, Cluster, GpuNode, gpu_pod
-from support import eventually
-
-from .conftest import PodEvents
+from support.bus import PodEvents
+from support.control_plane import Cluster, GpuNode, NO_WEBHOOK
+from support.pods import gpu_pod, make_namespace
+from support.waiting import eventually
 
 STORY = ["admitted", "scheduled", "running"]
 
@@ -24,9 +24,9 @@ async def test_the_pod_story_through_a_real_watch(control_plane: ControlPlane, g
     ns = make_namespace(control_plane, "story", labels=NO_WEBHOOK)
     cluster = Cluster(control_plane, gpu_node, ns)
     await start_watcher()
-    cluster.create(gpu_pod("train"))
+    cluster.create(kai_admit(gpu_pod("train", injected=True)))
     cluster.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "plain"}, "spec": {"containers": [{"name": "c", "image": "busybox"}]}})
-    cluster.create(gpu_pod("bare", injected=False))
+    cluster.create(kai_admit(gpu_pod("bare")))
     await eventually(lambda: pod_events.states("train", ns) == ["admitted"])
     cluster.start("train")
     await eventually(lambda: "running" in pod_events.states("train", ns))
@@ -48,11 +48,11 @@ async def test_the_watch_survives_an_api_server_restart(control_plane: ControlPl
     ns = make_namespace(control_plane, "restart", labels=NO_WEBHOOK)
     cluster = Cluster(control_plane, gpu_node, ns)
     await start_watcher()
-    cluster.create(gpu_pod("before"))
+    cluster.create(kai_admit(gpu_pod("before", injected=True)))
     cluster.start("before")
     await eventually(lambda: pod_events.states("before", ns) == STORY)
     await asyncio.to_thread(control_plane.restart_apiserver)
-    cluster.create(gpu_pod("after"))
+    cluster.create(kai_admit(gpu_pod("after", injected=True)))
     cluster.start("after")
     cluster.delete("before")
     await eventually(lambda: pod_events.states("after", ns) == STORY and "deleted" in pod_events.states("before", ns), timeout_s=30)
@@ -66,14 +66,14 @@ async def test_a_real_compaction_gives_410_and_the_relist_loses_no_deletion(cont
     cluster = Cluster(control_plane, gpu_node, ns)
     _, stack = await start_watcher()
     for name in ("keep", "doomed", "finishing"):
-        cluster.create(gpu_pod(name))
+        cluster.create(kai_admit(gpu_pod(name, injected=True)))
         cluster.start(name)
     await eventually(lambda: all(pod_events.states(n, ns) == STORY for n in ("keep", "doomed", "finishing")))
     await stack.aclose()  # graceful: the resume version is saved in KV
 
     cluster.delete("doomed")
     gpu_node.finish(cluster.get("finishing"), 1)
-    cluster.create(gpu_pod("newcomer", injected=False))
+    cluster.create(kai_admit(gpu_pod("newcomer")))
     compacted = control_plane.compact_etcd()
     # A fresh API server: its watch cache starts after the compaction, so the saved version is gone from both.
     await asyncio.to_thread(control_plane.restart_apiserver)

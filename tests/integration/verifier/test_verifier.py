@@ -17,16 +17,11 @@ from kai_isolator.shared.events import (
     DeviceUsage, HealthVerdict, InspectReply, InspectRequest, NodeStatus, PodIsolation, PodRef, ProcessReport,
 )
 from kai_isolator.shared.settings import BusSettings
-from support import RuntimeFactory, eventually, publish_until_stored
+from support.bus import RuntimeFactory, injected_pod_event, publish_until_stored
+from support.waiting import eventually
 
 LIB = "/usr/local/vgpu/libvgpu.so"
 GRANTED = 4147 << 20
-
-
-def pod_event(name: str, state: str = "running", **changes: object) -> PodIsolation:
-    fields = dict(pod=PodRef(namespace="team-a", name=name, uid=f"uid-{name}"), resource_version="5", state=state,
-                  node_name="gpu-1", container="main", injected=True, expected_limit="4147m")
-    return PodIsolation(**{**fields, **changes})  # type: ignore[arg-type]
 
 
 class ScriptedAgent:
@@ -81,7 +76,7 @@ async def test_verified_degraded_and_missing_reach_the_bus_and_kv(
 ) -> None:
     agent.limits.update({"good": "4147m", "wrong-limit": "8g"})
     publisher = await start_runtime("watcher-stand-in")
-    for event in (pod_event("good"), pod_event("wrong-limit"), pod_event("webhook-was-down", injected=False)):
+    for event in (injected_pod_event("good"), injected_pod_event("wrong-limit"), injected_pod_event("webhook-was-down", injected=False)):
         await publisher.publish(event)
     await eventually(lambda: len(verdicts) == 3)
     by_pod = {v.pod.name: v for v in verdicts}
@@ -97,7 +92,7 @@ async def test_silent_agent_means_retries_and_no_verdict_until_it_answers(
     start_runtime: RuntimeFactory, verifier: Verifier, verdicts: list[HealthVerdict]
 ) -> None:
     publisher = await start_runtime("watcher-stand-in")
-    await publisher.publish(pod_event("p1"))
+    await publisher.publish(injected_pod_event("p1"))
     handled = verifier.runtime.metrics.handled
     await eventually(lambda: handled.labels("verifier-pods", "dead_lettered")._value.get() == 1)  # every delivery failed
     assert handled.labels("verifier-pods", "retried")._value.get() == 2
@@ -113,7 +108,7 @@ async def test_container_without_processes_is_retried_not_judged(
     agent: ScriptedAgent, start_runtime: RuntimeFactory, verifier: Verifier, verdicts: list[HealthVerdict]
 ) -> None:
     publisher = await start_runtime("watcher-stand-in")
-    await publisher.publish(pod_event("starting"))
+    await publisher.publish(injected_pod_event("starting"))
     await eventually(lambda: len(agent.requests) >= 2)  # asked, found nothing, asked again
     assert verdicts == []
     agent.limits["starting"] = "4147m"
@@ -132,7 +127,7 @@ async def test_a_container_not_started_yet_is_retried_at_info_level_and_nothing_
                                 confirm_negative_after_s=0.2)
     async with running(settings, patient, patient.nats_url or ""):
         publisher = await start_runtime("watcher-stand-in")
-        await publisher.publish(pod_event("starting"))
+        await publisher.publish(injected_pod_event("starting"))
         await eventually(lambda: len(agent.requests) >= 4)
         agent.limits["starting"] = "4147m"
         await eventually(lambda: len(verdicts) == 1, timeout_s=15)
@@ -148,17 +143,17 @@ async def test_same_observation_is_never_emitted_twice_even_across_a_restart(
     publisher = await start_runtime("watcher-stand-in")
     settings = VerifierSettings(kubernetes_events=False, reverify_s=3600, inspect_timeout_s=1, confirm_negative_after_s=0)
     async with running(settings, bus_settings, bus_settings.nats_url or "") as first:
-        await publisher.publish(pod_event("p1"))
+        await publisher.publish(injected_pod_event("p1"))
         await eventually(lambda: len(verdicts) == 1)
-        assert await first.verify(pod_event("p1")) is None  # a re-verification seeing the same thing
+        assert await first.verify(injected_pod_event("p1")) is None  # a re-verification seeing the same thing
     async with running(settings, bus_settings, bus_settings.nats_url or "") as second:
-        await publisher.publish(pod_event("p1", resource_version="6"))  # a new event, same observation
+        await publisher.publish(injected_pod_event("p1", resource_version="6"))  # a new event, same observation
         await eventually(lambda: len(agent.requests) == 3)
         for pod in await second.tracked_pods():
             await second.verify(pod)
         agent.limits["p1"] = "2g"  # then something really changes
-        assert await second.verify(pod_event("p1")) is None  # a negative first look waits for a second one
-        await second.verify(pod_event("p1"))
+        assert await second.verify(injected_pod_event("p1")) is None  # a negative first look waits for a second one
+        await second.verify(injected_pod_event("p1"))
         await eventually(lambda: len(verdicts) == 2)
     await asyncio.sleep(0.3)
     assert [v.verdict for v in verdicts] == ["verified", "degraded"]
@@ -170,7 +165,7 @@ async def test_library_version_change_on_a_node_reverifies_its_pods(
     agent.limits["p1"] = "4147m"
     publisher = await start_runtime("watcher-stand-in")
     await publisher.publish(NodeStatus(node_name="gpu-1", sequence=1, ready=True, active_version="v1"))
-    await publisher.publish(pod_event("p1"))
+    await publisher.publish(injected_pod_event("p1"))
     await eventually(lambda: len(verdicts) == 1)
     asked = len(agent.requests)
     agent.limits["p1"] = "1g"
@@ -185,12 +180,12 @@ async def test_a_deleted_pod_is_forgotten_and_a_late_running_event_does_not_revi
 ) -> None:
     agent.limits["p1"] = "4147m"
     publisher: Runtime = await start_runtime("watcher-stand-in")
-    await publisher.publish(pod_event("p1"))
+    await publisher.publish(injected_pod_event("p1"))
     await eventually(lambda: len(verdicts) == 1)
-    await publisher.publish(pod_event("p1", state="deleted", resource_version="7"))
+    await publisher.publish(injected_pod_event("p1", state="deleted", resource_version="7"))
     await eventually(lambda: verifier.runtime.metrics.handled.labels("verifier-pods", "ok")._value.get() == 2)
     assert await verifier.tracked_pods() == []
-    await publisher.publish(pod_event("p1", resource_version="8"))
+    await publisher.publish(injected_pod_event("p1", resource_version="8"))
     await eventually(lambda: verifier.runtime.metrics.handled.labels("verifier-pods", "ok")._value.get() == 3)
     assert await verifier.tracked_pods() == [] and len(verdicts) == 1
 
@@ -202,7 +197,7 @@ async def test_a_running_container_never_seen_is_unobservable_once(
                                 unobservable_inspections=3, unobservable_after_s=1.0)
     async with running(settings, bus_settings, bus_settings.nats_url or "") as verifier:
         publisher = await start_runtime("watcher-stand-in")
-        await publisher.publish(pod_event("hidden"))  # e.g. `exec env -i` once hid it from an agent that looked for POD_UID
+        await publisher.publish(injected_pod_event("hidden"))  # e.g. `exec env -i` once hid it from an agent that looked for POD_UID
         await eventually(lambda: len(verdicts) == 1, timeout_s=15)
         first_ask = agent.requests[0]
         assert len(agent.requests) >= 3
@@ -244,7 +239,7 @@ async def test_reverification_keeps_going_through_a_nats_crash_and_restart(
     settings = VerifierSettings(kubernetes_events=False, reverify_s=0.3, pending_retry_s=0.3, inspect_timeout_s=1, confirm_negative_after_s=0.2)
     async with running(settings, bus_settings, bus_settings.nats_url or "") as verifier:
         publisher = await start_runtime("watcher-stand-in")
-        await publisher.publish(pod_event("p1"))
+        await publisher.publish(injected_pod_event("p1"))
         await eventually(lambda: [v.verdict for v in verdicts] == ["verified"])
 
         nats_server.kill()  # SIGKILL: the verifier's KV calls time out while it is away
@@ -257,7 +252,7 @@ async def test_reverification_keeps_going_through_a_nats_crash_and_restart(
         # Acks may die with the server, so p1's event may come again (at-least-once); a later pod's
         # verdict shows the verifier has worked through it, in stream order.
         agent.limits["p2"] = "4147m"
-        await publish_until_stored(publisher, pod_event("p2"))
+        await publish_until_stored(publisher, injected_pod_event("p2"))
         await eventually(lambda: "p2" in {v.pod.name for v in verdicts}, timeout_s=30)
         agent.limits["p1"] = "2g"  # from now on only a re-verification can notice a change in p1
         await eventually(lambda: distinct(v for v in verdicts if v.pod.name == "p1") == ["verified", "degraded"], timeout_s=30)
@@ -272,7 +267,7 @@ async def test_a_container_still_being_set_up_is_never_judged_missing(
     agent.limits["starting"] = "4147m"
     agent.setting_up["starting"] = 1  # the first look lands in the moment before the preload mount
     publisher = await start_runtime("watcher-stand-in")
-    await publisher.publish(pod_event("starting"))
+    await publisher.publish(injected_pod_event("starting"))
     await eventually(lambda: len(verdicts) == 1, timeout_s=15)
     assert [v.verdict for v in verdicts] == ["verified"]
     assert agent.setting_up["starting"] == 0 and len(agent.requests) >= 2  # the set-up process was seen, and not judged
@@ -285,7 +280,7 @@ async def test_a_negative_look_seen_again_is_issued_once(
     agent.limits["no-preload"] = "4147m"
     agent.setting_up["no-preload"] = 1000  # never gets its preload: a real `missing`
     publisher = await start_runtime("watcher-stand-in")
-    await publisher.publish(pod_event("no-preload"))
+    await publisher.publish(injected_pod_event("no-preload"))
     await eventually(lambda: len(verdicts) == 1, timeout_s=15)
     [verdict] = verdicts
     assert verdict.verdict == "missing" and [r.code for r in verdict.reasons] == ["no-preload"]
@@ -301,7 +296,7 @@ async def test_listing_tracked_pods_leaves_no_consumer_behind(
     agent.limits.update({"a": "4147m", "b": "4147m"})
     publisher = await start_runtime("watcher-stand-in")
     for name in ("a", "b"):
-        await publisher.publish(pod_event(name))
+        await publisher.publish(injected_pod_event(name))
     await eventually(lambda: len(verdicts) == 2)
     for _ in range(5):
         assert {p.pod.name for p in await verifier.tracked_pods()} == {"a", "b"}
@@ -315,7 +310,7 @@ async def test_node_versions_live_in_kv_so_late_and_repeated_reports_reverify_no
     # As when reports are split between replicas: handled out of order, or by a verifier that never saw the last one.
     agent.limits["p1"] = "4147m"
     publisher = await start_runtime("watcher-stand-in")
-    await publisher.publish(pod_event("p1"))
+    await publisher.publish(injected_pod_event("p1"))
     await eventually(lambda: len(verdicts) == 1)
     asked = len(agent.requests)
     await verifier.on_node_status(NodeStatus(node_name="gpu-1", sequence=10, ready=True, active_version="v1"))  # first sight: recorded
@@ -352,7 +347,7 @@ async def test_one_replica_runs_the_periodic_passes_and_another_takes_them_over(
             assert second.passes.labels("ok")._value.get() == 0 and first.passes.labels("ok")._value.get() > 0
             assert second.pass_lease is not None and not second.pass_lease.held()
             publisher = await start_runtime("watcher-stand-in")
-            await publisher.publish(pod_event("p1"))
+            await publisher.publish(injected_pod_event("p1"))
             await eventually(lambda: len(verdicts) == 1)
             # A graceful stop releases the lease: the other replica takes the passes over at once, not
             # after the 20 s term (which would time this wait out; a standby polls every quarter term).
@@ -400,10 +395,10 @@ async def test_a_pass_reads_no_key_of_a_forgotten_pod(
     async with running(VerifierSettings(**NO_PASSES), bus_settings, bus_settings.nats_url or "") as verifier:
         handled_ok = verifier.runtime.metrics.handled.labels("verifier-pods", "ok")._value.get
         for name in ["live", *gone]:
-            await publisher.publish(pod_event(name))
+            await publisher.publish(injected_pod_event(name))
         await eventually(lambda: len(verdicts) == 31)
         for name in gone:
-            await publisher.publish(pod_event(name, state="deleted", resource_version="7"))
+            await publisher.publish(injected_pod_event(name, state="deleted", resource_version="7"))
         await eventually(lambda: handled_ok() == 61)
         # Keys an older version left: it purged through the KV API, so a marker stayed listed per key.
         kv = verifier.runtime.kv(BUCKET)
@@ -454,13 +449,13 @@ async def test_a_pod_whose_verification_is_in_flight_is_not_judged_again_by_a_pa
     settings = VerifierSettings(**{**NO_PASSES, "inspect_timeout_s": 60})
     async with running(settings, bus_settings, bus_settings.nats_url or "") as verifier:
         try:
-            await publisher.publish(pod_event("slow"))
+            await publisher.publish(injected_pod_event("slow"))
             await eventually(lambda: len(agent.requests) == 1)  # its event's verification waits on the agent
             assert verifier.in_flight.busy("uid-slow")
             for full in (True, False, False):
                 await verifier.reverify_pass(full)  # returns at once: the pod is left to the verification in flight
             assert len(agent.requests) == 1 and verdicts == []
-            assert await verifier.verify(pod_event("slow"), unless_in_flight=True) is None and len(agent.requests) == 1
+            assert await verifier.verify(injected_pod_event("slow"), unless_in_flight=True) is None and len(agent.requests) == 1
         finally:
             agent.gate.set()
         await eventually(lambda: len(verdicts) == 1)
@@ -475,7 +470,7 @@ async def test_a_pod_without_a_verdict_is_left_to_its_event_handler_for_one_pass
     # already without a verdict at the pass before.
     agent.limits["p1"] = "4147m"
     async with running(VerifierSettings(**NO_PASSES), bus_settings, bus_settings.nats_url or "") as verifier:
-        await verifier.runtime.kv(BUCKET).put("pod.uid-p1", pod_event("p1").model_dump_json().encode())
+        await verifier.runtime.kv(BUCKET).put("pod.uid-p1", injected_pod_event("p1").model_dump_json().encode())
         await verifier.reverify_pass(full=False)
         assert agent.requests == []
         await verifier.reverify_pass(full=False)

@@ -8,14 +8,15 @@ import sys
 
 from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.shared.settings import BusSettings
-from support import eventually
+from support.pods import T4, gpu_pod
+from support.waiting import eventually
 
-from .conftest import PodEvents, gpu_pod
+from .conftest import PodEvents
 
 
 async def test_events_command_shows_pod_story(dev_cluster: DevCluster, bus_settings: BusSettings, start_watcher, pod_events: PodEvents) -> None:
     await start_watcher()
-    await dev_cluster.create("pods", gpu_pod("shown", injected=True), "default")
+    await dev_cluster.create("pods", gpu_pod("shown", node=T4, injected=True), "default")
     await eventually(lambda: pod_events.states("shown") == ["admitted", "scheduled", "running"])
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kai_isolator.services.cli", "events", "--subject", "isolator.pod.>", "--since", "1h", "--limit", "3",

@@ -4,14 +4,15 @@ PodIsolation events on the bus."""
 from __future__ import annotations
 
 from kai_isolator.services.devcluster.cluster import DevCluster
-from support import eventually
+from support.pods import T4, gpu_pod
+from support.waiting import eventually
 
-from .conftest import PodEvents, gpu_pod, wait_phase
+from .conftest import PodEvents, wait_phase
 
 
 async def test_lifecycle_gives_exact_story(dev_cluster: DevCluster, start_watcher, pod_events: PodEvents) -> None:
     await start_watcher()
-    await dev_cluster.create("pods", gpu_pod("train", injected=True), "default")
+    await dev_cluster.create("pods", gpu_pod("train", node=T4, injected=True), "default")
     await dev_cluster.create("pods", {"metadata": {"name": "plain"}, "spec": {"containers": [{"name": "c", "image": "busybox"}], "nodeSelector": {"kubernetes.io/hostname": "gpu-node-1"}}}, "default")
     await eventually(lambda: "running" in pod_events.states("train"))
     await dev_cluster.finish("default", "train", 0)
@@ -31,8 +32,8 @@ async def test_lifecycle_gives_exact_story(dev_cluster: DevCluster, start_watche
 
 async def test_pod_without_injection_is_reported_missing(dev_cluster: DevCluster, start_watcher, pod_events: PodEvents) -> None:
     await start_watcher()
-    await dev_cluster.create("pods", gpu_pod("bare", node=None), "default")
-    await dev_cluster.create("pods", gpu_pod("optout", node=None, annotations={"kai-resource-isolator.io/inject": "false"}), "default")
+    await dev_cluster.create("pods", gpu_pod("bare", scheduler=None), "default")
+    await dev_cluster.create("pods", gpu_pod("optout", scheduler=None, annotations={"kai-resource-isolator.io/inject": "false"}), "default")
     await eventually(lambda: len(pod_events.states("bare")) == 2 and len(pod_events.states("optout")) == 2)
 
     assert pod_events.states("bare") == ["admitted", "isolation-missing"]
@@ -59,7 +60,7 @@ async def test_node_scoped_watcher_sees_only_its_node(dev_cluster: DevCluster, s
 
 async def test_a_pod_that_lost_its_gpu_annotations_still_ends_with_deleted(dev_cluster: DevCluster, start_watcher, pod_events: PodEvents) -> None:
     await start_watcher()
-    await dev_cluster.create("pods", gpu_pod("renamed", injected=True), "default")
+    await dev_cluster.create("pods", gpu_pod("renamed", node=T4, injected=True), "default")
     await eventually(lambda: "running" in pod_events.states("renamed"))
     await dev_cluster.patch("pods", "default", "renamed", {"metadata": {"annotations": {"gpu-memory": None}}})
     await dev_cluster.delete("pods", "default", "renamed")

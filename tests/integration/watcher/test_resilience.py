@@ -19,9 +19,10 @@ from kai_isolator.shared import subjects
 from kai_isolator.shared.embedded_nats import EmbeddedNats
 from kai_isolator.shared.events import decode
 from kai_isolator.shared.settings import BusSettings
-from support import eventually
+from support.pods import T4, gpu_pod
+from support.waiting import eventually
 
-from .conftest import PodEvents, delete_for_good, gpu_pod, phase, until, wait_phase
+from .conftest import PodEvents, delete_for_good, phase, wait_phase
 
 FULL_STORY = ["admitted", "isolation-missing", "scheduled", "running"]
 
@@ -51,21 +52,21 @@ async def test_killed_mid_stream_and_restarted_loses_and_repeats_nothing(dev_clu
         sys.executable, "-m", "kai_isolator.services.cli", "watcher", "--kubeconfig", str(watcher_settings.kubeconfig), "--probe-listen", "127.0.0.1:0", env=env,
     )
     try:
-        await dev_cluster.create("pods", gpu_pod("job-0"), "default")
+        await dev_cluster.create("pods", gpu_pod("job-0", node=T4), "default")
         await eventually(lambda: pod_events.count() >= 2, timeout_s=60)  # the process is up and watching
         for i in range(1, 40):
-            await dev_cluster.create("pods", gpu_pod(f"job-{i}"), "default")
+            await dev_cluster.create("pods", gpu_pod(f"job-{i}", node=T4), "default")
         await eventually(lambda: pod_events.count() >= 30)
     finally:
         first.kill()  # SIGKILL mid-stream: no graceful stop, no final save
         await first.wait()
 
     for i in range(40, 50):
-        await dev_cluster.create("pods", gpu_pod(f"job-{i}"), "default")
+        await dev_cluster.create("pods", gpu_pod(f"job-{i}", node=T4), "default")
     await wait_phase(dev_cluster, "job-0", "Running")
     await delete_for_good(dev_cluster, "job-0")  # while no watcher runs: only the resumed watch can tell of it
     await start_watcher()
-    await dev_cluster.create("pods", gpu_pod("job-50"), "default")
+    await dev_cluster.create("pods", gpu_pod("job-50", node=T4), "default")
 
     names = [f"job-{i}" for i in range(51)]
 
@@ -87,14 +88,14 @@ async def test_killed_mid_stream_and_restarted_loses_and_repeats_nothing(dev_clu
 async def test_410_gone_relists_and_reconciles_missed_changes(dev_cluster: DevCluster, start_watcher, pod_events: PodEvents) -> None:
     _, stack = await start_watcher()
     for name in ("keep", "doomed", "finishing"):
-        await dev_cluster.create("pods", gpu_pod(name), "default")
+        await dev_cluster.create("pods", gpu_pod(name, node=T4), "default")
     await eventually(lambda: all(pod_events.states(n) == FULL_STORY for n in ("keep", "doomed", "finishing")))
     await stack.aclose()  # graceful: the resume version is saved
 
     # Every missed change done for good before the history goes, so only the relist can tell of them.
     await delete_for_good(dev_cluster, "doomed")
     await dev_cluster.finish("default", "finishing", 1)
-    await dev_cluster.create("pods", gpu_pod("newcomer", node=None), "default")
+    await dev_cluster.create("pods", gpu_pod("newcomer", scheduler=None), "default")
     compacted = await dev_cluster.compact()  # etcd forgets every version before now, the saved resume version included
     # kube-apiserver's watch cache still serves the compacted range (a watch from the saved version would be
     # answered from it, no 410); a restarted API server's cache begins after the compaction, as one whose cache
@@ -115,14 +116,14 @@ async def test_410_gone_relists_and_reconciles_missed_changes(dev_cluster: DevCl
 async def test_api_server_restart_mid_stream_loses_and_repeats_nothing(dev_cluster: DevCluster, start_watcher, pod_events: PodEvents) -> None:
     await start_watcher()
     for name in ("before", "doomed"):
-        await dev_cluster.create("pods", gpu_pod(name), "default")
+        await dev_cluster.create("pods", gpu_pod(name, node=T4), "default")
     await eventually(lambda: pod_events.states("before") == FULL_STORY and pod_events.states("doomed") == FULL_STORY)
 
     # Every watch on it ends, the watcher's included; KAI's scheduler and the kubelets ride it out too. The new
     # server's watch cache begins at its start, so the watcher's resume version meets 410 Gone even with no
     # compaction and it relists: the story still has to come out whole, each fact once.
     await dev_cluster.restart_apiserver()
-    await dev_cluster.create("pods", gpu_pod("after"), "default")
+    await dev_cluster.create("pods", gpu_pod("after", node=T4), "default")
     await dev_cluster.delete("pods", "default", "doomed")
     await dev_cluster.finish("default", "before", 0)
 
@@ -135,17 +136,17 @@ async def test_api_server_restart_mid_stream_loses_and_repeats_nothing(dev_clust
 
 async def test_nats_outage_during_churn_loses_nothing(dev_cluster: DevCluster, nats_server: EmbeddedNats, start_watcher, pod_events: PodEvents) -> None:
     await start_watcher()
-    await dev_cluster.create("pods", gpu_pod("before"), "default")
+    await dev_cluster.create("pods", gpu_pod("before", node=T4), "default")
     await eventually(lambda: pod_events.states("before") == FULL_STORY)
 
     await asyncio.to_thread(nats_server.stop)
     for i in range(15):
-        await dev_cluster.create("pods", gpu_pod(f"during-{i}"), "default")
+        await dev_cluster.create("pods", gpu_pod(f"during-{i}", node=T4), "default")
 
     async def all_running() -> bool:
         return all([await phase(dev_cluster, f"during-{i}") == "Running" for i in range(15)])
 
-    await until(all_running)
+    await eventually(all_running)
     await dev_cluster.delete("pods", "default", "before")
     await dev_cluster.delete("pods", "default", "during-0")
     await asyncio.to_thread(nats_server.start)
@@ -161,11 +162,11 @@ async def test_a_nats_outage_past_the_lease_term_keeps_the_lone_watcher_leading(
     # The shipped lease (10 s, a term of 8 s) and an outage past its term whenever the last renewal was: the one
     # watcher stops acting, then renews the lease nobody took over instead of stepping down and taking it back.
     watcher, _ = await start_watcher(lease_ttl_s=WatcherSettings.model_fields["lease_ttl_s"].default)
-    await dev_cluster.create("pods", gpu_pod("before"), "default")
+    await dev_cluster.create("pods", gpu_pod("before", node=T4), "default")
     await eventually(lambda: pod_events.states("before") == FULL_STORY)
     with caplog.at_level(logging.INFO, logger="kai_isolator.shared.lease"):
         await asyncio.to_thread(nats_server.stop)
-        await dev_cluster.create("pods", gpu_pod("during"), "default")
+        await dev_cluster.create("pods", gpu_pod("during", node=T4), "default")
         await asyncio.sleep(watcher.settings.lease_ttl_s * 0.8 + 1)
         assert not watcher.lease.held()  # past its term it does nothing a rival might be doing
         await asyncio.to_thread(nats_server.start)

@@ -4,45 +4,33 @@ after the restart every pod's story is on the stream whole, in order, each fact 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from control_plane.fixtures import make_namespace
 from kai_isolator.services.devcluster.cluster import DevCluster
 from kai_isolator.services.devcluster.plane import ControlPlane
-from kai_isolator.shared.ports import free_port
 from kai_isolator.shared.settings import BusSettings
-from pod_events import PodEvents, pod_events  # noqa: F401  (the fixture)
-from support import eventually
+from support.bus import PodEvents, pod_events  # noqa: F401  (the fixture)
+from support.pods import gpu_pod, make_namespace
+from support.processes import start_service
+from support.waiting import eventually
 
 STORY = ["admitted", "isolation-missing"]  # not KAI's scheduler's, and our webhook is not registered: never bound, never injected
 
 
-def gpu_pod(name: str) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "annotations": {"gpu-memory": "4096"}},
-            "spec": {"containers": [{"name": "main", "image": "busybox"}]}}
-
-
 def create_pods(plane: ControlPlane, namespace: str, names: list[str]) -> None:
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda n: plane.request("POST", f"/api/v1/namespaces/{namespace}/pods", gpu_pod(n)), names))
+        list(pool.map(lambda n: plane.request("POST", f"/api/v1/namespaces/{namespace}/pods", gpu_pod(n, scheduler=None)), names))
 
 
-async def start_watcher(kubeconfig: Path, bus: BusSettings, log: Path) -> asyncio.subprocess.Process:
-    env = {**os.environ, "KAI_ISOLATOR_NATS_URL": bus.nats_url or "", "KAI_ISOLATOR_WATCHER_RESUME_SAVE_INTERVAL_S": "0.2",
-           "KAI_ISOLATOR_WATCHER_RESUME_SAVE_EVERY": "50", "KAI_ISOLATOR_WATCHER_LEASE_TTL_S": "2", "KAI_ISOLATOR_WATCHER_LANES": "16",
-           "KAI_ISOLATOR_LOG_LEVEL": "warning"}
-    with log.open("ab") as out:
-        return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kai_isolator.services.watcher", "--kubeconfig", str(kubeconfig), "--probe-listen", f"127.0.0.1:{free_port()}",
-            env=env, stdout=out, stderr=out)
+# The pipelined watcher's knobs: lanes in parallel, resume points saved often, a short lease. Not waited on once
+# started: the backlog is what it meets first.
+WATCHER_ENV = {"KAI_ISOLATOR_WATCHER_RESUME_SAVE_INTERVAL_S": "0.2", "KAI_ISOLATOR_WATCHER_RESUME_SAVE_EVERY": "50",
+               "KAI_ISOLATOR_WATCHER_LEASE_TTL_S": "2", "KAI_ISOLATOR_WATCHER_LANES": "16", "KAI_ISOLATOR_LOG_LEVEL": "warning"}
 
 
 @pytest.mark.timeout(240)
@@ -54,7 +42,8 @@ async def test_killed_with_many_pods_in_flight_loses_reorders_and_repeats_nothin
     ns = make_namespace(control_plane, "burst")
     first_names = [f"p-{i}" for i in range(600)]
     await asyncio.to_thread(create_pods, control_plane, ns, first_names)
-    watcher = await start_watcher(control_plane.admin_kubeconfig, bus_settings, tmp_path / "watcher.log")
+    args, env = ["watcher", "--kubeconfig", str(control_plane.admin_kubeconfig)], {"KAI_ISOLATOR_NATS_URL": bus_settings.nats_url or "", **WATCHER_ENV}
+    watcher = (await start_service(args, env, tmp_path, ready=None)).process
     try:
         await eventually(lambda: pod_events.count() >= 300, timeout_s=60)
     finally:
@@ -67,7 +56,7 @@ async def test_killed_with_many_pods_in_flight_loses_reorders_and_repeats_nothin
         control_plane.request("DELETE", f"/api/v1/namespaces/{ns}/pods/{name}")
     later = [f"q-{i}" for i in range(100)]
     await asyncio.to_thread(create_pods, control_plane, ns, later)
-    watcher = await start_watcher(control_plane.admin_kubeconfig, bus_settings, tmp_path / "watcher.log")
+    watcher = (await start_service(args, env, tmp_path, ready=None)).process
     try:
         def complete() -> bool:
             return (all(pod_events.states(n, ns)[:2] == STORY for n in first_names + later)

@@ -23,12 +23,14 @@ from typing import Any
 
 import pytest
 
-import run_summary
 from kai_isolator.services.dev import DevContext
 from kai_isolator.services.devcluster import build
 from kai_isolator.services.nodeagent import grant_files
 from kai_isolator.services.nodeagent.agent import NodeAgent
-from real_node_support import SEED_POD, SEED_POD_NAME, LedgerWatch, Node, gpu_pod, isolated, ledger, until
+from support import run_summary
+from support.pods import cuda_pod
+from support.real_node import SEED_POD, SEED_POD_NAME, LedgerWatch, Node, isolated, ledger
+from support.waiting import until
 
 GIB, MIB = 1 << 30, 1 << 20
 ASKED = 8 * GIB
@@ -124,7 +126,7 @@ def grants_held_back(agent: NodeAgent) -> Iterator[asyncio.Event]:
 def test_a_container_whose_grant_is_not_written_yet_waits_then_starts_with_it(held: DevContext, real_node: Node, cuda_image: str) -> None:
     node, agent = real_node, held.values["agent"]
     with grants_held_back(agent) as release:
-        node.apply_pod(gpu_pod("late-grant", cuda_image, 2048, ["sleep", "infinity"]))
+        node.apply_pod(cuda_pod("late-grant", cuda_image, 2048, ["sleep", "infinity"]))
         reason = until("creation refused while the grant is missing", lambda: waiting_reason(node, "late-grant"), 90)
         assert "no grant yet for default/late-grant container cuda" in reason, reason
         node.loop.loop.call_soon_threadsafe(release.set)
@@ -137,7 +139,7 @@ def test_a_container_whose_grant_is_not_written_yet_waits_then_starts_with_it(he
 @pytest.mark.parametrize("held", [615], indirect=True)
 def test_a_tenants_own_memory_limit_is_replaced_by_the_grant(held: DevContext, real_node: Node, cuda_image: str) -> None:
     node, agent = real_node, held.values["agent"]
-    pod = gpu_pod("own-limit", cuda_image, 2048, ["sleep", "infinity"])
+    pod = cuda_pod("own-limit", cuda_image, 2048, ["sleep", "infinity"])
     pod["spec"]["containers"][0]["env"] = [{"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "15360"},
                                            {"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=15360M"}]
     node.apply_pod(pod)
@@ -179,7 +181,7 @@ def agent_and_plugin_down(node: Node, agent: NodeAgent, cuda_image: str) -> None
     server = agent._creation_server
     assert server is not None
     node.loop.run(_close(server), 10)  # the agent's decision socket gone, as with the agent's pod down
-    node.apply_pod(gpu_pod("agent-down", cuda_image, 2048, ["sleep", "infinity"]))
+    node.apply_pod(cuda_pod("agent-down", cuda_image, 2048, ["sleep", "infinity"]))
     reason = until("creation refused while the agent is down", lambda: waiting_reason(node, "agent-down"), 90)
     assert "kai-isolator node agent unreachable" in reason and "fail closed" in reason, reason
     # A pod outside GPU sharing never reaches the agent: the node still runs everything else.
@@ -191,7 +193,7 @@ def agent_and_plugin_down(node: Node, agent: NodeAgent, cuda_image: str) -> None
 
     # The plugin gone as well: containerd's default validator refuses the container the webhook marked as needing it.
     node.node.stop_nri_plugin()
-    node.apply_pod(gpu_pod("plugin-down", cuda_image, 2048, ["sleep", "infinity"]))
+    node.apply_pod(cuda_pod("plugin-down", cuda_image, 2048, ["sleep", "infinity"]))
     reason = until("creation refused while the plugin is gone", lambda: waiting_reason(node, "plugin-down"), 90)
     assert 'required plugin "kai-isolator" not present' in reason, reason
 

@@ -23,14 +23,16 @@ from typing import IO, Any
 
 import pytest
 
-import run_summary
 from kai_isolator.services.admission import dev as admission_dev
 from kai_isolator.services.dev import DevContext
+from kai_isolator.services.devcluster.fake_gpu_ledger import FAKE_CONTEXT_OVERHEAD_BYTES
 from kai_isolator.services.devcluster.kai import fake_gpu_uuid
 from kai_isolator.services.nodeagent.agent import NodeAgent
-from kai_isolator.shared.fake_gpu import FAKE_CONTEXT_OVERHEAD_BYTES
 from kai_isolator.shared.operator_view import ISOLATED_CONDITION
-from real_node_support import HAMI_BUILD, LedgerWatch, Node, gpu_pod, isolated, ledger, until
+from support import run_summary
+from support.pods import cuda_pod
+from support.real_node import HAMI_BUILD, LedgerWatch, Node, isolated, ledger
+from support.waiting import until
 
 GIB, MIB = 1 << 30, 1 << 20
 TAKEN = 10 * GIB
@@ -61,7 +63,7 @@ def plain_pod(name: str, image: str, devices: str) -> dict[str, Any]:
 def neighbour_holds_its_gib(node: Node, image: str, agent: NodeAgent) -> None:
     """The seed's setup: a GPU-sharing pod (gpu-memory 2048) holding 1 GiB through the library; KAI's reservation pod for
     its GPU group holds GPU 0, which makes it shared, as the node agent sees it."""
-    node.apply_pod(gpu_pod("neighbour", image, 2048, ["cuprobe", "init", "ctx", "0", "alloc", str(GIB), "hold", "3600000"]))
+    node.apply_pod(cuda_pod("neighbour", image, 2048, ["cuprobe", "init", "ctx", "0", "alloc", str(GIB), "hold", "3600000"]))
     node.wait_running("neighbour", timeout_s=120)
     until("the neighbour holds its 1 GiB", lambda: "holding" in node.kubectl("logs", "neighbour"), 30)
     assert agent.grants is not None

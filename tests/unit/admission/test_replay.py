@@ -12,6 +12,7 @@ import orjson
 from kai_isolator.services.admission.injection import InjectionConfig
 from kai_isolator.services.admission.replay import Replays
 from kai_isolator.services.admission.webhook import Answer, Webhook
+from support.pods import gpu_pod
 
 
 def fresh(raw: bytes, mode: str = "warn", gated: bool = False) -> Answer:
@@ -25,9 +26,10 @@ def body(pod: dict[str, Any], uid: str) -> bytes:
                                      "operation": "CREATE", "namespace": "ns", "object": pod}})
 
 
-def gpu_pod(**spec: Any) -> dict[str, Any]:
-    return {"metadata": {"name": "p", "namespace": "ns", "annotations": {"gpu-fraction": "0.5"}},
-            "spec": {"containers": [{"name": "main", "env": [{"name": f"V{i}", "value": "x"} for i in range(50)]}], **spec}}
+def workload_pod(**spec: Any) -> dict[str, Any]:
+    """One workload's pod (support.pods.gpu_pod): half a GPU, no scheduler named, a container with 50 env vars."""
+    main = {"name": "main", "env": [{"name": f"V{i}", "value": "x"} for i in range(50)]}
+    return gpu_pod("p", namespace="ns", gpu_memory=None, gpu_fraction="0.5", scheduler=None, containers=[main], **spec)
 
 
 def replayed(webhook: Webhook, raw: bytes) -> bool:
@@ -37,7 +39,7 @@ def replayed(webhook: Webhook, raw: bytes) -> bool:
 
 def test_the_third_body_of_a_workload_is_replayed_exactly_as_decided() -> None:
     webhook = Webhook(InjectionConfig(), "warn")
-    pod = gpu_pod(securityContext={"seccompProfile": {"type": "RuntimeDefault"}})
+    pod = workload_pod(securityContext={"seccompProfile": {"type": "RuntimeDefault"}})
     first, second, third = (body(pod, str(uuid.uuid4())) for _ in range(3))
     webhook.handle(first)
     assert not replayed(webhook, second)  # a template is learned, not trusted
@@ -50,8 +52,8 @@ def test_the_third_body_of_a_workload_is_replayed_exactly_as_decided() -> None:
 
 def test_a_body_that_differs_elsewhere_is_decided_in_full() -> None:
     webhook = Webhook(InjectionConfig(), "enforce")
-    confined = gpu_pod(securityContext={"seccompProfile": {"type": "RuntimeDefault"}})
-    unconfined = gpu_pod(securityContext={"seccompProfile": {"type": "RuntimeDefaulT"}})  # same length, not confining
+    confined = workload_pod(securityContext={"seccompProfile": {"type": "RuntimeDefault"}})
+    unconfined = workload_pod(securityContext={"seccompProfile": {"type": "RuntimeDefaulT"}})  # same length, not confining
     for _ in range(3):
         webhook.handle(body(confined, str(uuid.uuid4())))
     raw = body(unconfined, str(uuid.uuid4()))
@@ -63,7 +65,7 @@ def test_a_body_that_differs_elsewhere_is_decided_in_full() -> None:
 def test_a_uid_found_inside_another_string_is_never_trusted() -> None:
     """The request's uid written with an escape; its plain spelling only inside an annotation. The
     cut lands in the annotation, and the next body (another annotation) must not replay."""
-    pod = gpu_pod(securityContext={"seccompProfile": {"type": "RuntimeDefault"}})
+    pod = workload_pod(securityContext={"seccompProfile": {"type": "RuntimeDefault"}})
     webhook = Webhook(InjectionConfig(), "warn")
 
     def tricky(inner: str) -> bytes:
@@ -80,7 +82,7 @@ def test_uids_json_would_escape_are_not_spliced() -> None:
     replays = Replays()
     webhook = Webhook(InjectionConfig(), "warn")
     webhook.replays = replays
-    pod = gpu_pod()
+    pod = workload_pod()
     for uid in ('a"b', "a\\b", "ä-1", "x y") * 3:
         webhook.handle(body(pod, uid))
     assert len(replays) == 0
@@ -90,12 +92,12 @@ def test_the_set_of_templates_is_bounded_in_number_and_body_size() -> None:
     webhook = Webhook(InjectionConfig(), "warn")
     webhook.replays = Replays(capacity=8)
     for i in range(40):
-        pod = gpu_pod()
+        pod = workload_pod()
         pod["metadata"]["name"] = "p" * (i + 1)  # lengths apart: one key each
         webhook.handle(body(pod, str(uuid.uuid4())))
     assert len(webhook.replays) == 8
     large = Webhook(InjectionConfig(), "warn")
-    pod = gpu_pod()
+    pod = workload_pod()
     pod["spec"]["containers"][0]["env"] = [{"name": f"V{i}", "value": "x" * 100} for i in range(1000)]  # ~120 KB
     for _ in range(3):
         large.handle(body(pod, str(uuid.uuid4())))

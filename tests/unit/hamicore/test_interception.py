@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kai_isolator.shared.fake_gpu import FAKE_CONTEXT_OVERHEAD_BYTES as CONTEXT
+from kai_isolator.services.devcluster.fake_gpu_ledger import FAKE_CONTEXT_OVERHEAD_BYTES as CONTEXT
 from vgpu_harness import HAMI, LIBVGPU, MIB, TESTS_DIR, base_env, probe, run_program
 
 LEGACY, PER_THREAD = "1", "2"

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kai_isolator.shared.fake_gpu import FakeGpu
+from kai_isolator.services.devcluster.fake_gpu_ledger import FakeGpu
 
 REPO = Path(__file__).resolve().parents[3]
 HAMI = REPO / "hami-core"

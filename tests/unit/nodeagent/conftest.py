@@ -1,4 +1,4 @@
-"""Node agent unit fixtures: a temp host root (library builds and workers: tests/nodeagent_*.py)."""
+"""Node agent unit fixtures: a temp host root (library builds and workers: tests/support/nodeagent.py)."""
 
 from __future__ import annotations
 

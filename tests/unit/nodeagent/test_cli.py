@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from nodeagent_harness import Libraries, preloaded_worker
+from support.nodeagent import Libraries, preloaded_worker
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from cgroup_leaves import Programs, make_tree, one, programs_on, rcs, readable_gpu, remove_tree, run, unique_top, v2_mount
+from kai_isolator.services.devcluster.fake_gpu_ledger import FakeGpu
 from kai_isolator.services.nodeagent import creation, grant_files, nvml
 from kai_isolator.services.nodeagent.creation import CreationGate, CreationReply, CreationRequest, NodeMode
 from kai_isolator.shared.contract import FRACTION_CONTAINER_ANNOTATION
-from kai_isolator.shared.fake_gpu import FakeGpu
 from kai_isolator.shared.grant import DeviceGrant, Grant, GrantSource
+from support.cgroups import Programs, make_tree, one, programs_on, rcs, readable_gpu, remove_tree, run, unique_top, v2_mount
 
 HAMI = Path(__file__).resolve().parents[3] / "hami-core"
 MIB = 1 << 20

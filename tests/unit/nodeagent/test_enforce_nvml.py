@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from kai_isolator.services.nodeagent import enforce
-from kai_isolator.shared.fake_gpu import FAKE_CONTEXT_OVERHEAD_BYTES as CONTEXT
-from kai_isolator.shared.fake_gpu import FakeGpu
+from kai_isolator.services.devcluster.fake_gpu_ledger import FAKE_CONTEXT_OVERHEAD_BYTES as CONTEXT
+from kai_isolator.services.devcluster.fake_gpu_ledger import FakeGpu
 from kai_isolator.services.nodeagent.nvml import (
     NVML_ERROR_INSUFFICIENT_SIZE, NVML_SUCCESS, Nvml, NvmlError, ProcessInfoV1, ProcessInfoV2,
 )
-from nodeagent_harness import FAKE_DIR, HAMI, MIB
+from support.nodeagent import FAKE_DIR, HAMI, MIB
 
 CUPROBE = HAMI / "build" / "tests" / "cuprobe"
 NO_LEDGER_NVML = str(FAKE_DIR / "libnvidia-ml.so.1")  # the build's copy: no fake-gpu ledger beside it
@@ -160,3 +160,17 @@ def test_start_time_tells_a_process_apart_and_survives_odd_names(tmp_path: Path)
         first.kill()
         first.wait()
     assert enforce.start_time(Path("/proc"), first.pid) is None
+
+
+def test_one_users_shutdown_leaves_the_others_session_open(holders: Holders) -> None:
+    """nvmlInit and nvmlShutdown are reference counted, as NVML documents them: the agent's creation gate closing
+    its handle must not blind the enforcer that shares the process's NVML."""
+    holders.hold(64 * MIB)
+    enforcer, gate = Nvml(holders.nvml), Nvml(holders.nvml)
+    gate.close()
+    assert held(enforcer), "the enforcer's view ended with another user's shutdown"
+    enforcer.close()
+    with pytest.raises(NvmlError, match="Uninitialized"):
+        enforcer.snapshot()
+    shutdown = ctypes.CDLL(holders.nvml).nvmlShutdown
+    assert shutdown() == 1  # NVML_ERROR_UNINITIALIZED: more shutdowns than inits

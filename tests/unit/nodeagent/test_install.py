@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent_harness import MIB, Libraries, namespaced_worker, preloaded_worker
 from kai_isolator.services.nodeagent import install
 from kai_isolator.services.nodeagent.layout import HostLayout, version_of
+from support.nodeagent import MIB, Libraries, namespaced_worker, preloaded_worker
 
 PROC = Path("/proc")
 

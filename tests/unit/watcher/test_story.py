@@ -13,11 +13,7 @@ from kai_isolator.services.admission.mutation import patch_ops
 from kai_isolator.services.admission.pod import find_target, read_pod
 from kai_isolator.services.watcher.settings import WatcherSettings
 from kai_isolator.services.watcher.story import view_of
-
-
-def gpu_pod() -> dict[str, Any]:
-    return {"metadata": {"name": "train", "uid": "u1", "resourceVersion": "3", "annotations": {"gpu-memory": "4096"}},
-            "spec": {"containers": [{"name": "main", "image": "busybox"}]}}
+from support.pods import gpu_pod
 
 
 def injected_by_the_webhook(pod: dict[str, Any]) -> dict[str, Any]:
@@ -28,13 +24,13 @@ def injected_by_the_webhook(pod: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_the_webhooks_patch_counts_as_injected() -> None:
-    view = view_of(injected_by_the_webhook(gpu_pod()))
+    view = view_of(injected_by_the_webhook(gpu_pod("train", uid="u1", resource_version="3", scheduler=None)))
     assert view is not None and view.injected
 
 
 @pytest.mark.parametrize("forge", ["emptydir", "writable", "no-subpath", "directory-or-create"])
 def test_a_tenants_look_alike_volume_is_not_injection(forge: str) -> None:
-    pod = copy.deepcopy(injected_by_the_webhook(gpu_pod()))
+    pod = copy.deepcopy(injected_by_the_webhook(gpu_pod("train", uid="u1", resource_version="3", scheduler=None)))
     volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "kai-resource-isolator-vgpu")
     mount = next(m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["mountPath"] == "/etc/ld.so.preload")
     if forge == "emptydir":

@@ -95,6 +95,40 @@ helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
 {{- $dir -}}
 {{- end -}}
 
+{{/* The NRI plugin's name: its --name, and what the webhook's required-plugins annotation names (NRI matches by name). */}}
+{{- define "kri.nriPlugin" -}}
+kai-isolator
+{{- end -}}
+
+{{/* Where the agent answers its plugin: a socket in an emptyDir the two containers of its pod share, nothing on the host. */}}
+{{- define "kri.nriAgentSocket" -}}
+/run/kai-isolator/nri.sock
+{{- end -}}
+
+{{/* The plugin's index as NRI wants it, two digits: a string is taken as written, a number (--set index=5) padded. */}}
+{{- define "kri.nriIndex" -}}
+{{- $index := .Values.nodeAgent.nri.index -}}
+{{- if kindIs "string" $index -}}
+{{- $index -}}
+{{- else -}}
+{{- printf "%02d" (int $index) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The host directory of containerd's NRI socket, mounted into the plugin's container: refused where it would hand
+     the plugin more than that socket (the runtime's own sockets live in /run/containerd, everything in /run). */}}
+{{- define "kri.nriSocketDir" -}}
+{{- $path := .Values.nodeAgent.nri.socketPath -}}
+{{- $dir := dir $path -}}
+{{- if or (not (hasPrefix "/" $path)) (ne (clean $path) $path) -}}
+{{- fail (printf "nodeAgent.nri.socketPath must be a clean absolute path, got %q" $path) -}}
+{{- end -}}
+{{- if has $dir (list "/" "/run" "/var/run" "/var" "/tmp" "/etc" "/run/containerd" "/var/run/containerd" "/run/crio" "/var/run/crio") -}}
+{{- fail (printf "nodeAgent.nri.socketPath %s: its directory %s is mounted into the NRI plugin's container; keep the socket in a directory of its own (containerd's default: /var/run/nri/nri.sock)" $path $dir) -}}
+{{- end -}}
+{{- $dir -}}
+{{- end -}}
+
 {{- define "kri.natsUrl" -}}
 {{- default (printf "nats://nats.%s.svc:4222" (include "kri.namespace" .)) .Values.bus.url -}}
 {{- end -}}

@@ -18,7 +18,8 @@ v2 the allocating process is in at that moment (read from the kernel, /proc/<pid
 take a limited cgroup past its hard limit (CUDA_ERROR_OUT_OF_MEMORY, nothing killed), and shows the device to a
 process in that cgroup capped to the limit (cuMemGetInfo, nvmlDeviceGetMemoryInfo_v2). A limit applies to the
 processes of exactly the cgroup it is set on (the container's leaf; NVIDIA measured a parent's limit not to show).
-A DEV AND TEST FIXTURE: `python -m kai_isolator.shared.fake_gpu`.
+A DEV AND TEST FIXTURE beside the other stand-ins (services/devcluster/), which only the dev stack and the tests import:
+`python -m kai_isolator.services.devcluster.fake_gpu_ledger`.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from pathlib import Path
 
 SOCKET_NAME = "fake-gpu.sock"
 LIBRARIES = ("libcuda.so.1", "libnvidia-ml.so.1")
-DEFAULT_BUILD = Path(__file__).resolve().parents[1] / "hami-core" / "build" / "fake"
+DEFAULT_BUILD = Path(__file__).resolve().parents[2] / "hami-core" / "build" / "fake"
 MIB = 1 << 20
 SLOTS = 17  # 16 devices, then host VMM memory (cuMemCreate on a host location)
 HOST_SLOT = 16
@@ -653,7 +654,7 @@ class FakeGpu:
             link.symlink_to(name)
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "kai_isolator.shared.fake_gpu", f"--socket={self.socket}",
+        return [sys.executable, "-m", "kai_isolator.services.devcluster.fake_gpu_ledger", f"--socket={self.socket}",
                 f"--devices={self.devices}", f"--total-mib={self.total_mib}", f"--driver-branch={self.driver_branch}"]
 
     def start(self, timeout_s: float = 15.0) -> FakeGpu:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import functools
 import subprocess
 from dataclasses import dataclass
-from pathlib import Path
+from support import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 EVENTS = REPO / "docs" / "events"
 SCHEMAS = EVENTS / "schemas"
 

@@ -1,5 +1,7 @@
-"""What the real-node tests share: the node and its cluster as a test drives them (kubectl), the loop they run on, the one
-node of a test process (tests/realnode and tests/security/real_node both run on it), and our services beside it."""
+"""The real node as the tests drive it: the node and its cluster (kubectl), the loop they run on, the one node of a test
+process and its fixtures (tests/realnode and tests/security/real_node both run on it: their conftests import
+`build_node`, `real_node_session`, `real_node`, `cuda_image`), our services beside it, our chart and manifests installed
+on it as users install them, and the node's fake driver's ledger, the judge."""
 
 from __future__ import annotations
 
@@ -7,16 +9,21 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import pytest
+
 from kai_isolator.services.devcluster import build, images
+from kai_isolator.services.devcluster.build import BuildError, ensure_node
+from kai_isolator.services.devcluster.fake_gpu_ledger import MIB, FakeGpu
 from kai_isolator.services.devcluster.oci import image_archive, with_libraries
 from kai_isolator.services.devcluster.oci_push import PushedImage, push_archive
 from kai_isolator.services.devcluster.plane import ControlPlane
@@ -30,11 +37,13 @@ from kai_isolator.services.nodeagent.settings import NodeAgentSettings
 from kai_isolator.services.verifier import dev as verifier_dev
 from kai_isolator.services.watcher import dev as watcher_dev
 from kai_isolator.shared.bus import connect, provision_stream
+from kai_isolator.shared.contract import DEFAULT_VGPU_MOUNT
 from kai_isolator.shared.embedded_nats import EmbeddedNats
-from kai_isolator.shared.fake_gpu import FakeGpu
 from kai_isolator.shared.settings import BusSettings
+from support import REPO
+from support.building import build_before_tests
 
-HAMI_BUILD = Path(__file__).resolve().parents[1] / "hami-core" / "build"
+HAMI_BUILD = REPO / "hami-core" / "build"
 CUDA_IMAGE = "docker.io/nvidia/cuda:12.9.2-base-ubuntu24.04"
 
 
@@ -148,6 +157,41 @@ def one_real_node(workdir: Path) -> Iterator[Node]:
             session.node.loop.close()
 
 
+_built: list[object] = []
+
+
+def build_node(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Build the node's programs before any test runs, as the control plane's are; once a process, whichever conftest asks."""
+    if _built:
+        return
+    built = build_before_tests(config, items, {"real_node_session"}, lambda: ensure_node(sys.stderr), BuildError)
+    if built is not None:
+        _built.append(built)
+
+
+@pytest.fixture(scope="session")
+def real_node_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    if _built and isinstance(_built[0], BuildError):
+        raise _built[0]
+    with one_real_node(tmp_path_factory.mktemp("real-node")) as node:
+        yield node
+
+
+@pytest.fixture
+def real_node(real_node_session: Node) -> Iterator[Node]:
+    """The session's real node; the pods a test applied through it are gone after the test."""
+    try:
+        yield real_node_session
+    finally:
+        real_node_session.clean()
+
+
+@pytest.fixture(scope="session")
+def cuda_image(real_node_session: Node, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The stand-in of the seed's `nvidia/cuda` image in the node's containerd (import_cuda_image)."""
+    return import_cuda_image(real_node_session, tmp_path_factory.mktemp("images"))
+
+
 def import_cuda_image(node: Node, workdir: Path) -> str:
     """A stand-in of `nvidia/cuda:12.9.2-base-ubuntu24.04` (no public registry is reachable) pushed to the node's registry
     under that name and pulled through the node's docker.io mirror, once: this machine's shell and core tools with their
@@ -248,7 +292,6 @@ spec:
 """
 SEED_POD_NAME = "gpu-sharing-with-isolation"
 
-REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "deploy" / "helm" / "kai-resource-isolator"
 DEV_OVERLAY = REPO / "deploy" / "kustomize" / "overlays" / "dev"
 RELEASE = NAMESPACE = "kai-resource-isolator"
@@ -348,28 +391,36 @@ def chart_release(node: Node, volume: str, install_timeout: str = "300s") -> Ite
         node.kubectl("delete", "pv", volume, "--ignore-not-found", check=False)
 
 
+class ChartOnNode:
+    """Our chart on the node for one module's tests (`chart_release`), installed when a test first asks for it and kept
+    for the next, unless a test changed it (an upgrade, an uninstall): then it is removed after that test and the next
+    test that asks installs it afresh. So each test finds the release as published, alone or after any other."""
+
+    def __init__(self, node: Node, volume: str, install_timeout: str = "300s") -> None:
+        self.node, self.volume, self.install_timeout = node, volume, install_timeout
+        self._installed: contextlib.ExitStack | None = None
+
+    def installed(self) -> Node:
+        """The node with the chart installed as published (`helm install --wait`, unless it still is)."""
+        if self._installed is None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(chart_release(self.node, self.volume, self.install_timeout))
+            self._installed = stack
+        return self.node
+
+    def remove(self, library: bool = False) -> None:
+        """Uninstall the chart (if a test has not) and what it left in the cluster; with `library`, also the node's
+        library directory, which `helm uninstall` leaves (deploy/README.md), so the next install starts clean."""
+        stack, self._installed = self._installed, None
+        if stack is not None:
+            stack.close()
+        if library:
+            shutil.rmtree(self.node.node.host_path(DEFAULT_VGPU_MOUNT), ignore_errors=True)
+
+
 def is_running(pod: dict[str, Any]) -> bool:
     """Running with every container ready, as `kubectl wait --for=condition=Ready` would have it."""
     return pod["status"].get("phase") == "Running" and all(s.get("ready") for s in pod["status"].get("containerStatuses", []))
-
-
-def until(what: str, check: Any, timeout_s: float = 60) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not so after {timeout_s:.0f}s")
-        time.sleep(0.25)
-
-
-def gpu_pod(name: str, image: str, gpu_memory_mib: int, command: list[str], annotations: dict[str, str] | None = None) -> dict[str, Any]:
-    """A GPU-sharing pod as KAI users write it (KAI's scheduler, simulated through the API, binds it)."""
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": "default", "annotations": {"gpu-memory": str(gpu_memory_mib), **(annotations or {})}},
-            "spec": {"schedulerName": "kai-scheduler", "terminationGracePeriodSeconds": 1,
-                     "containers": [{"name": "cuda", "image": image, "command": command}]}}
 
 
 def workloads(node: Node, namespace: str) -> list[str]:
@@ -393,14 +444,17 @@ def ledger(node: Node) -> FakeGpu:
 
 
 class LedgerWatch:
-    """The ledger sampled every 20 ms from another thread while an attack runs: the node-wide peak, and how long the
-    node held more than `over` bytes (the time the attacker was over its grant of nothing, as the driver saw it)."""
+    """The ledger sampled every 20 ms from another thread while an attack runs: the peak of `measure` (by default the
+    node-wide memory every process holds, contexts included), how long it was over `over` bytes, and the MiB·s over it
+    (the memory a neighbour could not have, times how long)."""
 
     PERIOD_S = 0.02
 
-    def __init__(self, gpu: FakeGpu, over: int) -> None:
+    def __init__(self, gpu: FakeGpu, over: int, measure: Callable[[FakeGpu], int] | None = None) -> None:
         self.gpu, self.over = gpu, over
+        self.measure = measure or (lambda ledger: sum(ledger.processes(0).values()))
         self.peak = 0
+        self.over_mib_s = 0.0
         self.first_over: float | None = None
         self.last_over: float | None = None
         self._stop = threading.Event()
@@ -408,16 +462,21 @@ class LedgerWatch:
 
     def _sample(self) -> None:
         while not self._stop.wait(self.PERIOD_S):
-            total = sum(self.gpu.processes(0).values())
+            total = self.measure(self.gpu)
             self.peak = max(self.peak, total)
             if total > self.over:
                 now = time.monotonic()
                 self.first_over = self.first_over or now
                 self.last_over = now
+                self.over_mib_s += (total - self.over) / MIB * self.PERIOD_S
 
     @property
     def over_s(self) -> float | None:
         return None if self.first_over is None or self.last_over is None else self.last_over - self.first_over + self.PERIOD_S
+
+    @property
+    def peak_over_mib(self) -> int:
+        return max(0, self.peak - self.over) >> 20
 
     def __enter__(self) -> LedgerWatch:
         self._thread.start()

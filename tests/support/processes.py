@@ -1,65 +1,20 @@
-"""Small helpers the tests share."""
+"""Processes the tests run and judge: a command and everything it left running (by lineage), and our services as
+child processes (`kai-isolator <service>`), their probes asked over HTTP."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import os
 import subprocess
 import sys
-import time
-from collections.abc import Awaitable, Callable
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
-import pytest
-
-from kai_isolator.services.devcluster.build import cache_root, locked
-from kai_isolator.shared.bus import Runtime
-from kai_isolator.shared.errors import BusError
-from kai_isolator.shared.events import Payload
-
-RuntimeFactory = Callable[..., Awaitable[Runtime]]
-Built = TypeVar("Built")
-
-
-def build_before_tests(config: pytest.Config, items: list[pytest.Item], fixtures: set[str], build: Callable[[], Built],
-                       failure: type[Exception] | tuple[type[Exception], ...]) -> Built | Exception | None:
-    """Build what tests using `fixtures` need once, before any runs: outside every test's timeout, progress on the terminal.
-
-    A build failure is returned, not raised: the tests that need it fail with it, the rest of the suite still runs.
-    """
-    if not any(fixtures & set(getattr(item, "fixturenames", ())) for item in items):
-        return None
-    capture = config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-        try:
-            # Every xdist worker builds what its tests need: the first builds, the others wait and find the cache warm
-            # (concurrent mmdebstrap runs or image builds of one tag would race).
-            with locked(cache_root() / "test-builds.lock"):
-                return build()
-        except failure as error:
-            return error
-
-
-async def eventually(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Wait until `predicate()` holds; fail the test if it does not within the timeout."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
-
-
-async def publish_until_stored(runtime: Runtime, event: Payload) -> None:
-    """At-least-once publishing through an outage; the Nats-Msg-Id makes a retry harmless."""
-    while True:
-        try:
-            await runtime.publish(event)
-            return
-        except BusError:
-            await asyncio.sleep(0.1)
+from kai_isolator.shared.ports import free_port
+from support.waiting import eventually
 
 
 # Run in a child interpreter that is the command's subreaper (prctl PR_SET_CHILD_SUBREAPER): whatever the command leaves
@@ -120,3 +75,48 @@ def run_leaving_nothing(argv: list[str], cwd: Path, timeout_s: float) -> Finishe
     if done.returncode != 0:
         raise AssertionError(f"the subreaper around {argv} failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return Finished(**json.loads(done.stdout))
+
+
+class ServiceProcess:
+    """One of our services as a child process, its probes on 127.0.0.1:`port`, its output in `log`."""
+
+    def __init__(self, process: asyncio.subprocess.Process, port: int, log: Path) -> None:
+        self.process, self.port, self.log = process, port, log
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def get(self, path: str) -> tuple[int, str]:
+        """GET `path` from its probe server: the status and body, or (0, "") while nothing answers there."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+        except OSError:
+            return 0, ""
+
+    def metric(self, series: str) -> float:
+        """The value of a Prometheus series (`name` or `name{labels}`), summed over its lines; 0 where absent."""
+        _, text = self.get("/metrics")
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(series + " "))
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+async def start_service(args: list[str], env: dict[str, str], logs: Path, *, ready: str | None = "/readyz",
+                        ready_timeout_s: float = 30) -> ServiceProcess:
+    """`kai-isolator <args>` in a child process with its probes on a free port and `env` over this environment, its
+    output in `logs`/<service>-<port>.log; returned once `ready` answers 200 (None: at once)."""
+    port = free_port()
+    log = logs / f"{args[0]}-{port}.log"
+    with log.open("ab") as out:  # the child keeps writing it after this process closes its copy
+        process = await asyncio.create_subprocess_exec(sys.executable, "-m", "kai_isolator.services.cli", *args,
+                                                       "--probe-listen", f"127.0.0.1:{port}", env={**os.environ, **env},
+                                                       stdout=out, stderr=out)
+    service = ServiceProcess(process, port, log)
+    if ready is not None:
+        await eventually(lambda: service.get(ready)[0] == 200, timeout_s=ready_timeout_s)
+    return service

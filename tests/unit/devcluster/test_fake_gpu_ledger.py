@@ -1,6 +1,6 @@
 """The fake GPU's ledger process at its edges: malformed requests, devices it does not have, a card too small or
 too large, a driver that is not built, what is left behind when it stops, and the driver branch a node's ledger
-is started as (R580, or R615 with NVML 13.4's per-cgroup limits: tests/unit/shared/test_fake_gpu_limits.py)."""
+is started as (R580, or R615 with NVML 13.4's per-cgroup limits: tests/unit/devcluster/test_fake_gpu_ledger_limits.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kai_isolator.shared import fake_gpu
-from kai_isolator.shared.fake_gpu import FakeGpu, FakeGpuError
+from kai_isolator.services.devcluster import fake_gpu_ledger as fake_gpu
+from kai_isolator.services.devcluster.fake_gpu_ledger import FakeGpu, FakeGpuError
 
 HAMI = Path(__file__).resolve().parents[3] / "hami-core"
 
@@ -60,7 +60,7 @@ def test_malformed_and_out_of_range_requests_get_an_error_and_change_nothing(tmp
 
 def test_a_card_it_cannot_be_is_refused_at_start(tmp_path: Path) -> None:
     for devices, mib in ((0, 1024), (17, 1024), (1, 0)):
-        done = subprocess.run([sys.executable, "-m", "kai_isolator.shared.fake_gpu", f"--socket={tmp_path / 's'}",
+        done = subprocess.run([sys.executable, "-m", "kai_isolator.services.devcluster.fake_gpu_ledger", f"--socket={tmp_path / 's'}",
                                f"--devices={devices}", f"--total-mib={mib}"], capture_output=True, text=True, timeout=30)
         assert done.returncode == 2 and "a fake GPU needs 1..16 devices" in done.stderr
     with pytest.raises(FakeGpuError, match="did not start"):
@@ -110,6 +110,6 @@ def test_the_driver_branch_is_the_nodes_and_says_what_it_has(tmp_path: Path) -> 
                 assert set_limits == (fake_gpu.NVML_ERROR_OPERATING_SYSTEM if os.geteuid() == 0 else fake_gpu.NVML_ERROR_NO_PERMISSION)
                 assert get_limits == fake_gpu.NVML_ERROR_OPERATING_SYSTEM
                 assert ask(gpu, request.pack(fake_gpu.OP_GET_LIMITS, 1, 0, 0)) == fake_gpu.NVML_ERROR_INVALID_ARGUMENT
-    done = subprocess.run([sys.executable, "-m", "kai_isolator.shared.fake_gpu", f"--socket={tmp_path / 's'}", "--driver-branch=600"],
+    done = subprocess.run([sys.executable, "-m", "kai_isolator.services.devcluster.fake_gpu_ledger", f"--socket={tmp_path / 's'}", "--driver-branch=600"],
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and "the fake driver is branch 580 or 615, not 600" in done.stderr

@@ -1,20 +1,48 @@
-"""The `pod_events` fixture: a durable consumer of isolator.pod.> that keeps every event it is handed,
-in order, acked (import it into a conftest to use it)."""
+"""The bus and its events as the tests drive them: starting runtimes (`RuntimeFactory`, the root conftest's
+`start_runtime`), publishing through an outage, the pod events the tests publish, and the `pod_events` fixture, a
+durable consumer of isolator.pod.> that keeps every event it is handed, in order, acked (import it into a conftest)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import nats
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from kai_isolator.shared import subjects
-from kai_isolator.shared.bus import provision_stream
-from kai_isolator.shared.events import PodIsolation, decode
+from kai_isolator.shared.bus import Runtime, provision_stream
+from kai_isolator.shared.errors import BusError
+from kai_isolator.shared.events import Payload, PodIsolation, PodRef, decode
 from kai_isolator.shared.settings import BusSettings
+
+RuntimeFactory = Callable[..., Awaitable[Runtime]]
+
+
+async def publish_until_stored(runtime: Runtime, event: Payload) -> None:
+    """At-least-once publishing through an outage; the Nats-Msg-Id makes a retry harmless."""
+    while True:
+        try:
+            await runtime.publish(event)
+            return
+        except BusError:
+            await asyncio.sleep(0.1)
+
+
+def pod_event(name: str, *, namespace: str = "team-a", resource_version: str = "1", state: str = "running",
+              **fields: object) -> PodIsolation:
+    """The watcher's event of pod `name` (uid `uid-<name>`); `fields` set the rest of PodIsolation."""
+    return PodIsolation(pod=PodRef(namespace=namespace, name=name, uid=f"uid-{name}"), resource_version=resource_version,
+                        state=state, **fields)  # type: ignore[arg-type]
+
+
+def injected_pod_event(name: str, **changes: object) -> PodIsolation:
+    """The event the verifier judges: pod `name` running on gpu-1, injected by the webhook, KAI's limit 4147m."""
+    fields: dict[str, object] = {"resource_version": "5", "node_name": "gpu-1", "container": "main", "injected": True,
+                                 "expected_limit": "4147m"}
+    return pod_event(name, **{**fields, **changes})  # type: ignore[arg-type]
 
 
 class PodEvents:

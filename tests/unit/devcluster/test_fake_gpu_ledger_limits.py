@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from cgroup_leaves import (NOBODY, Programs, make_tree, one, programs_on, rcs, readable_gpu, remove_tree, run,
-                           unique_top, v1_directory, v2_mount)
-from kai_isolator.shared.fake_gpu import FAKE_CONTEXT_OVERHEAD_BYTES as CONTEXT
-from kai_isolator.shared.fake_gpu import MEMORY_LIMIT_MAX as MAX
-from kai_isolator.shared.fake_gpu import FakeGpu
+from kai_isolator.services.devcluster.fake_gpu_ledger import FAKE_CONTEXT_OVERHEAD_BYTES as CONTEXT
+from kai_isolator.services.devcluster.fake_gpu_ledger import FakeGpu
+from kai_isolator.services.devcluster.fake_gpu_ledger import MEMORY_LIMIT_MAX as MAX
+from support.cgroups import NOBODY, Programs, make_tree, one, programs_on, rcs, readable_gpu, remove_tree, run, unique_top, v1_directory, v2_mount
 
 HAMI = Path(__file__).resolve().parents[3] / "hami-core"
 MIB = 1 << 20

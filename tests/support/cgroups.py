@@ -1,5 +1,5 @@
 """Programs in cgroup v2 leaves against a node's fake GPU, for the tests of NVML 13.4's per-cgroup memory limits
-(tests/unit/shared/test_fake_gpu_limits.py, tests/security/test_fake_driver.py).
+(tests/unit/devcluster/test_fake_gpu_ledger_limits.py, tests/security/test_fake_driver.py).
 
 The leaves are real: made by the test under the cgroup v2 hierarchy the kernel has mounted (on this cgroup v1
 machine /sys/fs/cgroup/unified, where root may place processes without enabling any controller; /sys/fs/cgroup
@@ -19,9 +19,10 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from kai_isolator.shared.fake_gpu import Cgroups, FakeGpu
+from kai_isolator.services.devcluster.fake_gpu_ledger import Cgroups, FakeGpu
+from support import REPO
 
-CGMEM = Path(__file__).resolve().parents[1] / "hami-core" / "build" / "tests" / "cgmem"
+CGMEM = REPO / "hami-core" / "build" / "tests" / "cgmem"
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
 OWN_USER_NAMESPACE = [*NOBODY, "unshare", "-Ur", "--"]  # "root" in a namespace of its own: a container's root
 PLACE = 'echo $$ > "$0/cgroup.procs" && exec "$@"'  # the shell joins the leaf, then becomes the program

@@ -1,6 +1,7 @@
-"""Helpers for node agent tests: library builds, and worker processes (plain or in a private
-mount namespace that sees a temp host root's /usr/local/vgpu and /etc/ld.so.preload, never
-this machine's own) that allocate through libvgpu.so on command."""
+"""The node agent's harness: hami-core's build (and two content-addressed copies of the library), worker processes
+(plain, or in a private mount namespace that sees a temp host root's /usr/local/vgpu and /etc/ld.so.preload, never this
+machine's own) that allocate through libvgpu.so on command, and the fixtures of the node agent and installer tests
+(`libraries`, `start_agent`, `kubelet_cgroups`; registered from tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,18 @@ import sys
 import tempfile
 import textwrap
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import pytest
+
+from kai_isolator.services.demo.kubelet import CgroupPlacement, cgroup_hierarchies
+from kai_isolator.services.nodeagent.agent import NodeAgent
+from kai_isolator.services.nodeagent.settings import NodeAgentSettings
+from kai_isolator.shared.settings import BusSettings
+from support import REPO
+
 HAMI = REPO / "hami-core"
 LIBVGPU = HAMI / "build" / "libvgpu.so"
 FAKE_DIR = HAMI / "build" / "fake"
@@ -142,3 +151,50 @@ def namespaced_argv(host_root: Path, mount: str, argv: list[str], scratch: Path)
 
 def namespaced_worker(host_root: Path, scratch: Path, env: dict[str, str] | None = None, mount: str = "/usr/local/vgpu") -> Worker:
     return Worker(namespaced_argv(host_root, mount, [sys.executable, "-c", WORKER], scratch), worker_env(env))
+
+
+def build_hami() -> None:
+    """hami-core's library, fake driver and probes built (`make -C hami-core`, a no-op when up to date)."""
+    proc = subprocess.run(["make", "-s", "-C", str(HAMI)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --- fixtures ------------------------------------------------------------------------------------------------------
+
+AgentFactory = Callable[..., Awaitable[NodeAgent]]
+
+
+@pytest.fixture(scope="session")
+def libraries(tmp_path_factory: pytest.TempPathFactory) -> Libraries:
+    build_hami()
+    return make_libraries(tmp_path_factory.mktemp("libraries"))
+
+
+@pytest.fixture
+async def start_agent(bus_settings: BusSettings, tmp_path: Path, libraries: Libraries) -> AsyncIterator[AgentFactory]:
+    """Start agents named `node` on their own temp host roots (long periods: tests drive refreshes)."""
+    started: list[NodeAgent] = []
+
+    async def factory(node: str, **overrides: object) -> NodeAgent:
+        root = tmp_path / f"host-{node}"
+        root.mkdir(exist_ok=True)
+        fields = {"node_name": node, "host_root": root, "library": [libraries.v1, libraries.v2], "gc_grace_s": 0,
+                  "status_interval_s": 3600, "usage_interval_s": 3600, **overrides}
+        agent = NodeAgent(NodeAgentSettings(**fields), bus_settings, probe_listen="127.0.0.1:0")
+        await agent.start(bus_settings.nats_url or "")
+        started.append(agent)
+        return agent
+
+    yield factory
+    for agent in reversed(started):
+        await agent.stop()
+
+
+@pytest.fixture
+def kubelet_cgroups() -> Iterator[CgroupPlacement]:
+    """Kubelet-named cgroups under a prefix unique to this test (the agent finds containers by them)."""
+    if os.geteuid() != 0 or not cgroup_hierarchies():
+        pytest.skip("placing processes in kubelet-named cgroups needs root and a writable cgroup hierarchy")
+    placement = CgroupPlacement()
+    yield placement
+    placement.remove()
