@@ -18,6 +18,8 @@ import asyncio
 import contextlib
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,6 +68,14 @@ def container_env(node: Node, pod: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in node.kubectl("exec", pod, "--", "env").splitlines() if "=" in line)
 
 
+def verdicts_held(nats_url: str, pod: str) -> list[str]:
+    """What every verdict on `pod` so far says of how it is held, read as users read it (`kai-isolator events`)."""
+    read = subprocess.run(["timeout", "8", sys.executable, "-m", "kai_isolator.services.cli", "events", "--nats-url", nats_url,
+                           "--since", "1h", "--json", "--subject", "isolator.health.>"], capture_output=True, text=True, timeout=30)
+    events = [json.loads(line) for line in read.stdout.splitlines() if line.startswith("{")]
+    return [e["data"]["held"] for e in events if e["subject"] == f"default/{pod}" and e["data"].get("held")]
+
+
 def waiting_reason(node: Node, pod: str) -> str:
     """`<reason>: <message>` of the pod's waiting container, or "" while it is not waiting on an error."""
     statuses = node.pod(pod)["status"].get("containerStatuses") or []
@@ -99,6 +109,9 @@ def test_the_seeds_pod_taking_8_gib_from_the_raw_driver(held: DevContext, real_n
     assert status["restartCount"] == 0 and "running" in status["state"], status
     smi = node.kubectl("exec", SEED_POD_NAME, "--", "nvidia-smi")
     assert re.search(rf"\| +\d+MiB / +{SEED_GRANT_MIB}MiB \|", smi), smi
+    # The verifier's verdict names how the container is held: on R615 the cap it read back on the container's leaf.
+    said = until("a verdict on the seed's pod that says how it is held", lambda: verdicts_held(held.nats_url, SEED_POD_NAME), 90)
+    assert set(said) == {MODES[branch]}, said
     run_summary.add(SECTION, f"R{branch:<7} {MODES[branch]:<22} {'seed pod, 8 GiB raw (rawelf)':<34} {watch.peak >> 20:>8} MiB "
                              f"{watch.over_s or 0.0:>13.2f} s  {outcome}", header=HEADER)
 
