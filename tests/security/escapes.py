@@ -42,6 +42,7 @@ class Shipped:
         self.settings = NodeAgentSettings(node_name=NODE)  # nothing set: what users run
         self.acted: list[tuple[float, enforce.Target, Breach]] = []
         self.evicted: list[tuple[float, PodRef]] = []
+        self.measuring: list[object] = []  # complete polls seen measuring a container (polls_measuring)
         pods = enforce.KnownPods(node.root / DEFAULT_GRANT_DIR.lstrip("/"), lambda: {c.pod_ref.uid: c.pod for c in node.containers})
         self.enforcer = make_enforcer(self.settings, reader.snapshot, pods, self.report, self.evict)
 
@@ -67,6 +68,15 @@ class Shipped:
     def first_action(self, container: Container) -> tuple[float, enforce.Target, Breach] | None:
         found = [(at, t, b) for at, t, b in self.acted if t.pod.uid == container.pod_ref.uid and t.container_id == container.container_id]
         return found[0] if found else None
+
+    def polls_measuring(self, container: Container) -> int:
+        """How many distinct complete polls measured `container` holding memory, counted from the first call on (ask
+        often: it sees the enforcer's last poll only)."""
+        last = self.enforcer.last
+        if last is not None and last.ok and all(poll is not last for poll in self.measuring) and any(
+                m.target.pod.uid == container.pod_ref.uid and m.used_bytes > 0 for m in last.measures):
+            self.measuring.append(last)
+        return len(self.measuring)
 
     def acted_at(self, container: Container) -> float:
         first = self.first_action(container)

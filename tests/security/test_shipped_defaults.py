@@ -7,10 +7,9 @@ its row to the security table: the ledger's peak, the time to act, and the verdi
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -19,7 +18,6 @@ from kai_isolator.services.nodeagent.agent import make_enforcer
 from kai_isolator.services.nodeagent.nvml import Nvml
 from kai_isolator.services.nodeagent.settings import NodeAgentSettings
 from kai_isolator.shared.contract import DEFAULT_GRANT_DIR, FRACTION_CONTAINER_ANNOTATION
-from kai_isolator.shared.events import Breach, PodRef
 from security.container import CONTEXT, CUPROBE, GIB, MIB, NODE, Container, SimNode, gpu_pod, record_shipped
 from security.escapes import RAWELF, Shipped, inspected, raw
 from support.waiting import eventually
@@ -195,8 +193,9 @@ async def test_an_init_container_target_gets_the_grant_a_main_container_gets(nod
     shipped = Shipped(node, driver_view)
     async with shipped.running():
         kept = await prep.hold(768 * MIB)
-        await asyncio.sleep(2 * shipped.settings.enforce_interval_s)
-        assert kept.process.returncode is None
+        # Two complete polls that measured the target holding its memory, and neither acted on it.
+        assert await eventually(lambda: shipped.polls_measuring(prep) >= 2, 10, every_s=0.05, fail=False), "the enforcer never measured it"
+        assert kept.process.returncode is None and shipped.first_action(prep) is None
     judged = prep.judge(inspected(prep, shipped.enforcer))
     assert judged.verdict == "verified", judged.reasons
     row("init-container target", node, None, f"blocked by the library; {judged.verdict}")

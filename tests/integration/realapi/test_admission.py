@@ -10,7 +10,6 @@ import ssl
 import threading
 from typing import Any
 
-import pytest
 import trustme
 import yaml
 

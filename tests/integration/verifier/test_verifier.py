@@ -14,7 +14,7 @@ from kai_isolator.services.verifier.settings import VerifierSettings
 from kai_isolator.shared import subjects
 from kai_isolator.shared.bus import Runtime
 from kai_isolator.shared.events import (
-    DeviceUsage, HealthVerdict, InspectReply, InspectRequest, NodeStatus, PodIsolation, PodRef, ProcessReport,
+    DeviceUsage, HealthVerdict, InspectReply, InspectRequest, NodeStatus, ProcessReport,
 )
 from kai_isolator.shared.settings import BusSettings
 from support.bus import RuntimeFactory, injected_pod_event, publish_until_stored
