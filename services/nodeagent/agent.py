@@ -253,14 +253,22 @@ class NodeAgent:
             driver = await asyncio.to_thread(nvml.Nvml, self.settings.nvml_library)
         except nvml.NvmlError as error:
             log.warning("no NVML for the driver's cap", extra={"node": self.node, "error": str(error)})
+        namespace = "/"
+        if mount is not None:
+            try:
+                namespace = await asyncio.to_thread(creation.namespace_root, mount, self.settings.proc_root)
+            except creation.CreationError as error:
+                log.warning("cannot place this agent's cgroup namespace; the library and the enforcer hold", extra={"error": str(error)})
+                mount = None
         self.mode = await asyncio.to_thread(creation.detect_mode, driver, mount)
         self.mode_gauge.clear()
         self.mode_gauge.labels(mode=self.mode.value).set(1)
         gate = creation.CreationGate(self.grant_root, self.mode, driver=driver, mount=mount, proc_root=self.settings.proc_root,
-                                     hold_s=self.settings.nri_hold_s)
+                                     namespace=namespace, hold_s=self.settings.nri_hold_s)
         self._gate = gate  # inspect reads the driver's cap back through it
         self._creation_server = await creation.serve(gate, path)  # type: ignore[arg-type]
-        log.info("taking part in container creation", extra={"node": self.node, "mode": self.mode.value, "socket": str(path)})
+        log.info("taking part in container creation", extra={"node": self.node, "mode": self.mode.value, "socket": str(path),
+                                                              "cgroup_namespace": namespace})
 
     # --- the enforcer ----------------------------------------------------------------------
 

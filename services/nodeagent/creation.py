@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -117,29 +118,67 @@ def blanked(strip: list[str], values: dict[str, str]) -> dict[str, str]:
     return {**{name: "" for name in strip}, **values}
 
 
-def unified_leaf(proc_root: Path, pid: int, mount: Path) -> Path:
-    """The container's cgroup v2 leaf as the kernel names it for its init (`0::` of /proc/<pid>/cgroup), under the
-    v2 mount the agent sees; what NVIDIA's toolkit hook does."""
+def cgroup_path(proc_root: Path, pid: int, who: str = "process") -> str:
+    """`pid`'s cgroup v2 path (`0::` of /proc/<pid>/cgroup), as the kernel shows it to this process: relative to this
+    process's cgroup namespace, so it starts with `/..` for a cgroup outside it."""
     try:
         text = (proc_root / str(pid) / "cgroup").read_text()
     except OSError as error:
-        raise CreationError(f"cannot read the cgroups of the container's init {pid}: {error}") from None
+        raise CreationError(f"cannot read the cgroups of {who} {pid}: {error}") from None
     inside = next((line[3:] for line in text.splitlines() if line.startswith("0::")), None)
-    if not inside or inside == "/":
+    if not inside:
+        raise CreationError(f"{who} {pid} is in no cgroup v2 leaf: the driver's cap needs one")
+    return inside
+
+
+def namespace_root(mount: Path, proc_root: Path = Path("/proc"), pid: int | None = None) -> str:
+    """Where this process's cgroup namespace is rooted in the whole hierarchy mounted at `mount` ("/" without a namespace
+    of its own). containerd gives a container one on a cgroup v2 host, so the agent reads every other process's cgroup
+    relative to its own: its own cgroup, found by the kernel's list of its processes, says where that is."""
+    pid = os.getpid() if pid is None else pid
+    own = cgroup_path(proc_root, pid)
+    if _lists(mount / own.lstrip("/") / "cgroup.procs", pid):
+        return "/"  # the path the kernel shows is the whole hierarchy's: no namespace of its own
+    for directory, _, files in os.walk(mount):
+        if "cgroup.procs" in files and _lists(Path(directory) / "cgroup.procs", pid):
+            below = Path(directory).relative_to(mount)
+            absolute = "/" if below == Path(".") else f"/{below}"
+            if own == "/":
+                return posixpath.normpath(absolute)
+            if absolute.endswith(own):
+                return posixpath.normpath(absolute[: -len(own)] or "/")
+    raise CreationError(f"this process ({pid}) is in no cgroup of the hierarchy at {mount}: its namespace cannot be placed")
+
+
+def _lists(procs: Path, pid: int) -> bool:
+    with contextlib.suppress(OSError, ValueError):
+        return pid in {int(line) for line in procs.read_text().split()}
+    return False
+
+
+def unified_leaf(proc_root: Path, pid: int, mount: Path, namespace: str = "/") -> Path:
+    """The container's cgroup v2 leaf as the kernel names it for its init, under the v2 mount the agent sees, where
+    the agent's own cgroup namespace is rooted at `namespace` (namespace_root); what NVIDIA's toolkit hook does."""
+    inside = cgroup_path(proc_root, pid, "the container's init")
+    absolute = posixpath.normpath(posixpath.join(namespace, inside.lstrip("/")))
+    if absolute == "/":
         raise CreationError(f"the container's init {pid} is in no cgroup v2 leaf: the driver's cap needs one")
-    leaf = mount / inside.lstrip("/")
+    leaf = mount / absolute.lstrip("/")
     if not leaf.is_dir():
         raise CreationError(f"the container's leaf {leaf} does not exist where the agent looks")
     return leaf
 
 
 def v2_mount() -> Path | None:
-    """Where this process sees the whole cgroup v2 hierarchy mounted (/sys/fs/cgroup/unified beside v1)."""
+    """Where this process sees the whole cgroup v2 hierarchy mounted (/sys/fs/cgroup/unified beside v1). A mount of
+    one cgroup below the root (a container's own view in a cgroup namespace) is not the whole: only the root cgroup
+    lacks `cgroup.type`."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/mountinfo").read_text().splitlines():
             fields = line.split()
-            if fields[fields.index("-") + 1] == "cgroup2" and fields[3] == "/":
-                return Path(fields[4])
+            point = Path(fields[4])
+            if fields[fields.index("-") + 1] == "cgroup2" and not (point / "cgroup.type").exists() and (point / "cgroup.procs").exists():
+                return point
     return None
 
 
@@ -166,6 +205,7 @@ class CreationGate:
     driver: nvml.Nvml | None = None
     mount: Path | None = None
     proc_root: Path = Path("/proc")
+    namespace: str = "/"  # where the agent's cgroup namespace is rooted in the hierarchy (namespace_root)
     hold_s: float = 1.5
     on_capped: Callable[[CreationRequest, dict[str, int]], None] | None = None  # uuid -> hard limit read back
 
@@ -221,7 +261,7 @@ class CreationGate:
         assert self.driver is not None and self.mount is not None
         if request.pid <= 0:
             raise CreationError("the runtime gave no pid for the container's init: its leaf cannot be capped")
-        leaf = str(unified_leaf(self.proc_root, request.pid, self.mount))
+        leaf = str(unified_leaf(self.proc_root, request.pid, self.mount, self.namespace))
         # A container naming GPUs without a grant is capped at 0 on every device: it may not allocate at all.
         caps = ({d.uuid: d.limit_bytes for d in grant.devices} if grant is not None
                 else {uuid: 0 for _, uuid in self.driver.devices()})
@@ -240,7 +280,7 @@ class CreationGate:
         if grant is None:
             return {}
         try:
-            leaf = str(unified_leaf(self.proc_root, pid, self.mount))
+            leaf = str(unified_leaf(self.proc_root, pid, self.mount, self.namespace))
             held = {d.uuid: nvml.get_memory_limit(self.driver, d.uuid, leaf) for d in grant.devices}
         except (CreationError, nvml.NvmlError) as error:
             log.warning("cannot read the driver's cap back", extra={"pod_uid": pod_uid, "container": container, "error": str(error)})

@@ -35,7 +35,10 @@ def release(real_node_session: Node, chart_images: None, cuda_image: str) -> Ite
     node.real.switch_driver(615)
     try:
         with chart_release(node, "kai-isolator-helm-nri-nats", INSTALL_TIMEOUT):
-            yield node
+            try:
+                yield node
+            finally:
+                node.clean()  # the module's pods, before the chart that holds them goes (the next module applies the seed's)
     finally:
         node.real.switch_driver(580)  # the session's other modules run on the default driver
 

@@ -18,7 +18,9 @@ import pytest
 
 from kai_isolator.services.devcluster.fake_gpu_ledger import FakeGpu
 from kai_isolator.services.nodeagent import creation, grant_files, nvml
-from kai_isolator.services.nodeagent.creation import CreationGate, CreationReply, CreationRequest, NodeMode
+from kai_isolator.services.nodeagent.creation import (
+    CreationError, CreationGate, CreationReply, CreationRequest, NodeMode, namespace_root, unified_leaf,
+)
 from kai_isolator.shared.contract import FRACTION_CONTAINER_ANNOTATION
 from kai_isolator.shared.grant import DeviceGrant, Grant, GrantSource
 from support.cgroups import Programs, make_tree, one, programs_on, rcs, readable_gpu, remove_tree, run, unique_top, v2_mount
@@ -224,3 +226,50 @@ def test_on_r580_the_node_is_library_and_enforcer_and_start_sets_nothing(gpu580:
     finally:
         driver.close()
     assert creation.detect_mode(None, MOUNT) is NodeMode.LIBRARY_AND_ENFORCER
+
+
+# --- the agent in a cgroup namespace of its own (containerd gives a container one on a cgroup v2 host) ---------------
+
+AGENT_PID, TENANT_PID = 4242, 5151
+AGENT_CGROUP = "kubepods/burstable/pod-agent/ctr-agent"
+TENANT_CGROUP = "kubepods/besteffort/pod-tenant/ctr-tenant"
+
+
+def hierarchy(tmp_path: Path, agent_sees: str, tenant_sees: str) -> tuple[Path, Path]:
+    """A cgroup v2 tree (each cgroup's `cgroup.procs`, as the kernel lists its processes) and a /proc whose
+    `<pid>/cgroup` says what the kernel shows the agent: paths relative to the agent's namespace."""
+    mount, proc = tmp_path / "cgroup", tmp_path / "proc"
+    for cgroup, pid in (("", None), (AGENT_CGROUP, AGENT_PID), (TENANT_CGROUP, TENANT_PID)):
+        (mount / cgroup).mkdir(parents=True, exist_ok=True)
+        (mount / cgroup / "cgroup.procs").write_text(f"{pid}\n" if pid else "")
+    for pid, seen in ((AGENT_PID, agent_sees), (TENANT_PID, tenant_sees)):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "cgroup").write_text(f"0::{seen}\n")
+    return mount, proc
+
+
+def test_in_a_cgroup_namespace_of_its_own_the_agent_finds_the_tenants_leaf(tmp_path: Path) -> None:
+    mount, proc = hierarchy(tmp_path, "/", "/../../../besteffort/pod-tenant/ctr-tenant")
+    namespace = namespace_root(mount, proc, AGENT_PID)
+    assert namespace == f"/{AGENT_CGROUP}"
+    assert unified_leaf(proc, TENANT_PID, mount, namespace) == mount / TENANT_CGROUP
+
+
+def test_without_a_namespace_of_its_own_paths_are_the_hierarchys(tmp_path: Path) -> None:
+    mount, proc = hierarchy(tmp_path, f"/{AGENT_CGROUP}", f"/{TENANT_CGROUP}")
+    assert namespace_root(mount, proc, AGENT_PID) == "/"
+    assert unified_leaf(proc, TENANT_PID, mount) == mount / TENANT_CGROUP
+
+
+def test_an_agent_in_no_cgroup_of_the_mount_cannot_place_its_namespace(tmp_path: Path) -> None:
+    mount, proc = hierarchy(tmp_path, "/", "/../x")
+    (mount / AGENT_CGROUP / "cgroup.procs").write_text("")  # the mount is another hierarchy than the agent's
+    with pytest.raises(CreationError, match="its namespace cannot be placed"):
+        namespace_root(mount, proc, AGENT_PID)
+
+
+@needs_leaves
+def test_the_whole_hierarchy_is_found_by_its_root_cgroup_as_by_its_mount_root() -> None:
+    """The agent knows the whole hierarchy by its root cgroup (no cgroup.type, which every other has); the test support
+    by the mount's root in mountinfo ("/"): outside a cgroup namespace, as here, both name the same mount."""
+    assert creation.v2_mount() == MOUNT
